@@ -1,0 +1,178 @@
+"""Defaults, validation and derived fields for every Gyre run.
+
+An experiment file (``experiments/NAME.py``) starts from :func:`default_config` and
+changes what it needs. :func:`validate` then checks the result against the defaults:
+an unknown or misspelled key, a value of the wrong type, or an impossible cell layout
+is a one-line ``ConfigError`` that names the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import ml_collections
+
+ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
+LOSS_MODES = ("token-mean", "sequence-mean", "two-level")
+SCHEDULERS = ("colocate", "async", "elastic")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the offending key."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key a run may set, with its default. Types here are the types enforced."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.name = "default"
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.cell_size = 1  # devices per cell; K = num_devices // cell_size cells
+    c.mesh.num_devices = 0  # 0: all visible devices
+    c.mesh.model_parallel = 1  # size of the intra-cell 'model' axis; 'data' gets the rest
+    c.mesh.compilation_cache = True  # persistent XLA cache under <workdir>/xla_cache
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 64
+    c.model.d_model = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.head_dim = 16
+    c.model.d_ff = 128
+    c.model.rope_theta = 10000.0
+    c.model.rms_eps = 1e-6
+    c.model.tie_embeddings = True
+    c.model.dtype = "float32"  # activation dtype; parameters stay float32
+    c.model.attention = "block_sparse"  # or "dense" (the reference)
+    c.model.attn_block = 128  # key/query block of the block-sparse attention
+
+    c.trajectory = ml_collections.ConfigDict()
+    c.trajectory.max_paths = 5  # J; 0 = uncapped (ablation)
+    c.trajectory.loss_mode = "two-level"
+    c.trajectory.std_normalize = False
+    c.trajectory.row_len = 1024  # tokens per packed row (multiple of 128)
+    c.trajectory.packing = "tree"  # or "flat" (ablation)
+    c.trajectory.reward = "partial"  # or "binary"
+
+    c.train = ml_collections.ConfigDict()
+    c.train.lr = 1e-4
+    c.train.warmup_steps = 0
+    c.train.weight_decay = 0.0
+    c.train.b1 = 0.9
+    c.train.b2 = 0.999
+    c.train.grad_clip = 1.0
+    c.train.clip_low = 0.2
+    c.train.clip_high = 0.28
+    c.train.kl_coef = 0.0
+    c.train.tis_cap = 0.0  # truncated importance weight for stale tokens; 0 = off
+    c.train.rows_per_microbatch = 4
+    c.train.max_bad_steps = 3
+    c.train.checkpoint_every = 1
+    c.train.keep_checkpoints = 2
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.slots = 16
+    c.rollout.max_len = 512
+    c.rollout.prefill_chunk = 64
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.max_new_tokens = 32
+
+    c.agent = ml_collections.ConfigDict()
+    c.agent.max_calls = 64
+    c.agent.max_tokens = 100_000
+    c.agent.max_seconds = 600.0
+    c.agent.max_retries = 2
+    c.agent.context_window = 512
+    c.agent.model_summary = False  # compaction summary written by the model (main-summary)
+    c.agent.infra_retries = 2
+    c.agent.concurrency = 64
+
+    c.env = ml_collections.ConfigDict()
+    c.env.name = "ledger"
+    c.env.num_ops = 8  # K
+    c.env.modulus = 10
+    c.env.tool_latency = 0.0  # mean seconds; 0 = instant
+    c.env.partial_scale = 0.5  # partial credit = scale * fraction of milestones
+
+    c.run = ml_collections.ConfigDict()
+    c.run.scheduler = "elastic"
+    c.run.steps = 2
+    c.run.tasks_per_step = 4
+    c.run.samples_per_task = 4
+    c.run.max_staleness = 1
+    c.run.async_rollout_cells = 0  # fixed split for the async scheduler; 0 = half
+    c.run.sft_steps = 0
+    c.run.sft_target_accuracy = 0.0
+    c.run.eval_tasks = 0
+    c.run.switch_cost_s = 0.0
+    return c
+
+
+def _check_tree(cfg, ref, prefix: str) -> None:
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key not in ref:
+            close = difflib.get_close_matches(key, list(ref.keys()), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown config key '{path}'{hint}")
+        value, default = cfg[key], ref[key]
+        if isinstance(default, ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                raise ConfigError(f"config key '{path}' must be a section, got {value!r}")
+            _check_tree(value, default, path + ".")
+            continue
+        ok_types = (int, float) if isinstance(default, float) else (type(default),)
+        if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, ok_types):
+            raise ConfigError(
+                f"config key '{path}' must be {type(default).__name__}, got {value!r}"
+            )
+
+
+def _check_choice(cfg, path: str, choices) -> None:
+    section, key = path.split(".")
+    if cfg[section][key] not in choices:
+        raise ConfigError(f"config key '{path}' must be one of {choices}, got {cfg[section][key]!r}")
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Raises ConfigError naming the first bad key; returns None for a runnable config."""
+    _check_tree(cfg, default_config(), "")
+    _check_choice(cfg, "trajectory.loss_mode", LOSS_MODES)
+    _check_choice(cfg, "trajectory.packing", ("tree", "flat"))
+    _check_choice(cfg, "trajectory.reward", ("partial", "binary"))
+    _check_choice(cfg, "run.scheduler", SCHEDULERS)
+    _check_choice(cfg, "model.attention", ("block_sparse", "dense"))
+    _check_choice(cfg, "model.dtype", ("float32", "bfloat16"))
+    m = cfg.model
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"config key 'model.num_kv_heads' ({m.num_kv_heads}) must divide "
+            f"model.num_heads ({m.num_heads})"
+        )
+    if cfg.trajectory.row_len % 128:
+        raise ConfigError(f"config key 'trajectory.row_len' must be a multiple of 128, got {cfg.trajectory.row_len}")
+    if cfg.mesh.cell_size < 1:
+        raise ConfigError(f"config key 'mesh.cell_size' must be >= 1, got {cfg.mesh.cell_size}")
+    if num_devices is not None:
+        n = cfg.mesh.num_devices or num_devices
+        if n > num_devices:
+            raise ConfigError(f"config key 'mesh.num_devices' ({n}) exceeds the {num_devices} visible devices")
+        if n % cfg.mesh.cell_size:
+            raise ConfigError(
+                f"config key 'mesh.cell_size' ({cfg.mesh.cell_size}) does not divide the {n} devices"
+            )
+        mp = cfg.mesh.model_parallel
+        if mp < 1 or cfg.mesh.cell_size % mp:
+            raise ConfigError(
+                f"config key 'mesh.model_parallel' ({mp}) must divide mesh.cell_size "
+                f"({cfg.mesh.cell_size})"
+            )
+        for key in ("num_kv_heads", "num_heads", "d_ff"):
+            if m[key] % mp:
+                raise ConfigError(
+                    f"config key 'model.{key}' ({m[key]}) is not divisible by "
+                    f"mesh.model_parallel ({mp})"
+                )

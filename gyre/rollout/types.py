@@ -1,0 +1,35 @@
+"""The model-call API shared by the harness (caller) and the proxy/engine (server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One model call. prompt: int32[P]. Sampling is keyed by (execution_id, call_id, position)."""
+
+    execution_id: str
+    call_id: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    stop_tokens: tuple[int, ...] = ()
+    temperature: float | None = None  # None: the engine's configured temperature
+
+    @property
+    def sample_key(self) -> tuple[int, int]:
+        """Stable integers for keying the sampler (never Python's salted hash)."""
+        return zlib.crc32(self.execution_id.encode()), int(self.call_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResponse:
+    """tokens/logprobs/versions: [C]; finish_reason 'stop' (a stop token, included) or 'length'."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
