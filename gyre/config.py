@@ -30,6 +30,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.cell_size = 1  # devices per cell; K = num_devices // cell_size cells
     c.mesh.num_devices = 0  # 0: all visible devices
+    c.mesh.cpu_devices = 8  # fake this many devices when the platform is CPU
     c.mesh.model_parallel = 1  # size of the intra-cell 'model' axis; 'data' gets the rest
     c.mesh.compilation_cache = True  # persistent XLA cache under <workdir>/xla_cache
 
@@ -98,6 +99,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.env.partial_scale = 0.5  # partial credit = scale * fraction of milestones
 
     c.run = ml_collections.ConfigDict()
+    c.run.entry = "rl"  # library function launch.py calls; see gyre/run.py ENTRIES
     c.run.scheduler = "elastic"
     c.run.steps = 2
     c.run.tasks_per_step = 4

@@ -1,13 +1,28 @@
 """Tree attention. Query q sees key k iff k <= q < leave[k] (a causal row: leave = T).
 
-STUB (dense reference only); the block-sparse path is being written.
-Shapes: q[B,T,H,Dh], k/v[B,T,KVH,Dh], leave[B,T] int32 -> out[B,T,H,Dh].
+Shapes: q[B,T,H,Dh], k/v[B,T,KVH,Dh] (GQA: H a multiple of KVH), leave[B,T] int32
+-> out[B,T,H,Dh]. Scale 1/sqrt(Dh); softmax is accumulated in fp32 for fp32 and bf16 inputs.
+A query that sees no key at all returns zeros (and gets zero gradient) on every path.
+
+The fast path (`block_sparse_attention`) is flash-attention style: an online softmax over key
+blocks that visits only the key blocks some query of the query block can see, so its work
+follows the tree, not the row. Block visibility is exact and cheap because every key's visible
+queries form the range [k, leave[k]): key block kb is seen by exactly the query blocks
+kb..last_qb[kb], with last_qb[kb] = (max leave in the block - 1) // block. Forward and the
+custom backward (FA2 order: key blocks outside, their query-block range inside) both loop with
+data-dependent trip counts, so skipped blocks cost nothing at run time.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("block_sparse", "dense")
 
 
 def tree_mask(leave):
@@ -19,11 +34,276 @@ def tree_mask(leave):
 
 
 def dense_attention(q, k, v, leave):
-    mask = tree_mask(leave)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    """Reference: a dense [B,1,T,T] tree mask through jax.nn.dot_product_attention."""
+    mask_Bx1xTxT = tree_mask(leave)[:, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xTxT, implementation="xla")
+    # XLA returns the mean of V for a fully masked query; the tree paths return zeros.
+    sees_any_BxT = jnp.any(mask_Bx1xTxT[:, 0], axis=-1)
+    return out * sees_any_BxT[:, :, None, None].astype(out.dtype)
+
+
+# ----------------------------------------------------------------------------- block visibility
+
+
+def last_query_block(leave, block: int):
+    """int32[..., nB]: last query block that sees key block kb (kb - 1 when none does)."""
+    t = leave.shape[-1]
+    _check_block(t, block)
+    nb = t // block
+    keys_T = jnp.arange(t, dtype=jnp.int32)
+    # A key with leave <= k is seen by no query (not a valid tree token); it widens nothing.
+    last_q_T = jnp.where(leave > keys_T, jnp.minimum(leave, t) - 1, keys_T - 1)
+    last_q_NxB = last_q_T.reshape(*leave.shape[:-1], nb, block).max(-1)
+    return (last_q_NxB // block).astype(jnp.int32)
+
+
+def block_visibility(leave, block: int):
+    """bool[..., nQ, nK]: vis[qb, kb] iff some query of block qb sees some key of block kb."""
+    last_qb = last_query_block(leave, block)
+    nb = last_qb.shape[-1]
+    qb = jnp.arange(nb)[:, None]
+    kb = jnp.arange(nb)[None, :]
+    return (kb <= qb) & (qb <= last_qb[..., None, :])
+
+
+def visible_block_fraction(leave, block: int) -> float:
+    """Fraction of the nQ x nK (query block, key block) pairs the block-sparse path visits."""
+    vis = np.asarray(block_visibility(jnp.asarray(leave), block))
+    return float(vis.mean())
+
+
+def _compact_key_blocks(leave_T, block: int):
+    """Per query block, its visible key blocks first (ascending), and how many there are."""
+    vis_QxK = block_visibility(leave_T, block)
+    nb = vis_QxK.shape[-1]
+    order = jnp.where(vis_QxK, jnp.arange(nb), nb + jnp.arange(nb))
+    kv_blocks_QxK = jnp.argsort(order, axis=-1).astype(jnp.int32)
+    return kv_blocks_QxK, vis_QxK.sum(-1).astype(jnp.int32)
+
+
+def _check_block(t: int, block: int):
+    if block <= 0 or t % block:
+        raise ValueError(f"sequence length T={t} is not a multiple of the attention block {block}")
+
+
+# ----------------------------------------------------------------------------- one row kernels
+# Inside the kernels a row is head-major: q[KVH,G,T,D], k/v[KVH,T,D]; softmax state is fp32.
+
+
+def _scores(q_blk, k_blk, scale):
+    return jnp.einsum("kgqd,ksd->kgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+
+
+def _pair_mask(leave_T, q0, k0, block):
+    """bool[q, s] for query block starting at q0 and key block starting at k0."""
+    q_pos = q0 + jnp.arange(block)[:, None]
+    k_pos = k0 + jnp.arange(block)[None, :]
+    leave_s = jax.lax.dynamic_slice_in_dim(leave_T, k0, block)[None, :]
+    return (k_pos <= q_pos) & (q_pos < leave_s)
+
+
+def _row_forward(q, k, v, leave_T, block, scale):
+    """One row: out[KVH,G,T,D] (fp32) and lse[KVH,G,T] (-inf where a query sees nothing)."""
+    kvh, g, t, d = q.shape
+    kv_blocks_QxK, kv_count_Q = _compact_key_blocks(leave_T, block)
+    slice_t = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-2)
+
+    def query_block(qb, carry):
+        out, lse = carry
+        q0 = qb * block
+        q_blk = slice_t(q, q0)
+
+        def key_block(i, state):
+            m, l, acc = state
+            k0 = kv_blocks_QxK[qb, i] * block
+            s = _scores(q_blk, slice_t(k, k0), scale)
+            vis = _pair_mask(leave_T, q0, k0, block)
+            s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no inf - inf for empty rows
+            p = jnp.exp(s - m_safe[..., None])
+            corr = jnp.exp(m - m_safe)
+            pv = jnp.einsum(
+                "kgqs,ksd->kgqd",
+                p.astype(v.dtype),
+                slice_t(v, k0),
+                preferred_element_type=jnp.float32,
+            )
+            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+        init = (
+            jnp.full((kvh, g, block), -jnp.inf, jnp.float32),
+            jnp.zeros((kvh, g, block), jnp.float32),
+            jnp.zeros((kvh, g, block, d), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(0, kv_count_Q[qb], key_block, init)
+        seen = l > 0
+        o_blk = acc / jnp.where(seen, l, 1.0)[..., None]
+        lse_blk = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o_blk, q0, axis=-2)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_blk, q0, axis=-1)
+        return out, lse
+
+    init = (jnp.zeros((kvh, g, t, d), jnp.float32), jnp.full((kvh, g, t), -jnp.inf, jnp.float32))
+    return jax.lax.fori_loop(0, t // block, query_block, init)
+
+
+def _row_backward(q, k, v, leave_T, out, lse, dout, block, scale):
+    """One row, FA2 order: dq, dk, dv (fp32) visiting only visible (query, key) block pairs."""
+    last_qb_K = last_query_block(leave_T, block)
+    slice_t = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-2)
+    slice_r = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-1)
+    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)  # [KVH,G,T]
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    def key_block(kb, carry):
+        dq, dk, dv = carry
+        k0 = kb * block
+        k_blk, v_blk = slice_t(k, k0), slice_t(v, k0)
+
+        def query_block(qb, state):
+            dq, dk_blk, dv_blk = state
+            q0 = qb * block
+            q_blk, do_blk = slice_t(q, q0), slice_t(dout, q0)
+            vis = _pair_mask(leave_T, q0, k0, block)
+            s = _scores(q_blk, k_blk, scale)
+            p = jnp.where(vis, jnp.exp(s - slice_r(lse_safe, q0)[..., None]), 0.0)
+            dv_blk += jnp.einsum(
+                "kgqs,kgqd->ksd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32
+            )
+            dp = jnp.einsum("kgqd,ksd->kgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+            ds = (p * (dp - slice_r(delta, q0)[..., None])).astype(q.dtype)
+            dk_blk += scale * jnp.einsum(
+                "kgqs,kgqd->ksd", ds, q_blk, preferred_element_type=jnp.float32
+            )
+            dq_blk = slice_t(dq, q0) + scale * jnp.einsum(
+                "kgqs,ksd->kgqd", ds, k_blk, preferred_element_type=jnp.float32
+            )
+            return jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, q0, axis=-2), dk_blk, dv_blk
+
+        zeros = jnp.zeros(k_blk.shape, jnp.float32)
+        dq, dk_blk, dv_blk = jax.lax.fori_loop(
+            kb, last_qb_K[kb] + 1, query_block, (dq, zeros, zeros)
+        )
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k0, axis=-2)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k0, axis=-2)
+        return dq, dk, dv
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros(k.shape, jnp.float32),
+        jnp.zeros(v.shape, jnp.float32),
+    )
+    return jax.lax.fori_loop(0, k.shape[-2] // block, key_block, init)
+
+
+# ----------------------------------------------------------------------------- batched, with vjp
+
+
+def _to_rows(q, k, v):
+    """[B,T,H,D] -> [B,KVH,G,T,D] and [B,T,KVH,D] -> [B,KVH,T,D]."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    q_rows = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
+    return q_rows, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _from_q_rows(x):
+    b, kvh, g, t, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * g, d)
+
+
+def _forward_rows(q, k, v, leave, block):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q_r, k_r, v_r = _to_rows(q, k, v)
+    # lax.map, not vmap: each row keeps its own data-dependent trip counts.
+    out_r, lse_r = jax.lax.map(
+        lambda xs: _row_forward(*xs, block, scale), (q_r, k_r, v_r, leave)
+    )
+    return out_r, lse_r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _block_sparse(q, k, v, leave, block):
+    out_r, _ = _forward_rows(q, k, v, leave, block)
+    return _from_q_rows(out_r).astype(q.dtype)
+
+
+def _block_sparse_fwd(q, k, v, leave, block):
+    out_r, lse_r = _forward_rows(q, k, v, leave, block)
+    return _from_q_rows(out_r).astype(q.dtype), (q, k, v, leave, out_r, lse_r)
+
+
+def _block_sparse_bwd(block, residuals, dout):
+    q, k, v, leave, out_r, lse_r = residuals
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q_r, k_r, v_r = _to_rows(q, k, v)
+    dout_r = _to_rows(dout, k, v)[0]
+    dq_r, dk_r, dv_r = jax.lax.map(
+        lambda xs: _row_backward(*xs, block, scale), (q_r, k_r, v_r, leave, out_r, lse_r, dout_r)
+    )
+    dq = _from_q_rows(dq_r).astype(q.dtype)
+    dk = dk_r.transpose(0, 2, 1, 3).astype(k.dtype)
+    dv = dv_r.transpose(0, 2, 1, 3).astype(v.dtype)
+    return dq, dk, dv, None
+
+
+_block_sparse.defvjp(_block_sparse_fwd, _block_sparse_bwd)
+
+
+def _check_qkv(q, k, v, leave):
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"expected q[B,T,H,Dh], k/v[B,T,KVH,Dh]; got {q.shape}, {k.shape}, {v.shape}")
+    b, t, h, d = q.shape
+    if k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(f"q {q.shape} and k/v {k.shape} disagree (H must be a multiple of KVH)")
+    if leave.shape != (b, t):
+        raise ValueError(f"leave has shape {leave.shape}, expected {(b, t)}")
+
+
+def block_sparse_attention(q, k, v, leave, block: int = 128):
+    """Tree attention visiting only visible key blocks. q[B,T,H,Dh] -> out[B,T,H,Dh]."""
+    _check_qkv(q, k, v, leave)
+    _check_block(q.shape[1], block)
+    return _block_sparse(q, k, v, leave.astype(jnp.int32), block)
 
 
 def attend(q, k, v, leave, impl: str = "block_sparse", block: int = 128):
     """Dispatches to the configured attention path (see gyre.config model.attention)."""
-    del impl, block
-    return dense_attention(q, k, v, leave)
+    if impl == "block_sparse":
+        return block_sparse_attention(q, k, v, leave, block)
+    if impl == "dense":
+        _check_qkv(q, k, v, leave)
+        return dense_attention(q, k, v, leave)
+    raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+
+
+def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
+    """Decode/prefill attention over a slot KV cache (causal within the slot).
+
+    q[B,T,H,Dh]; k_cache/v_cache[B,M,KVH,Dh]; q_pos_index[B,T] int: the cache index of each
+    query; kv_len[B] int: valid cache entries. Query at index i sees entries j <= i, j < kv_len.
+    Dense over M: decode is memory-bound, so skipping buys little here.
+    """
+    b, t, h, d = q.shape
+    m, kvh = k_cache.shape[1], k_cache.shape[2]
+    if h % kvh:
+        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    q_BxTxKxGxD = q.reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum(
+        "btkgd,bmkd->bkgtm", q_BxTxKxGxD, k_cache, preferred_element_type=jnp.float32
+    ) / math.sqrt(d)
+    j = jnp.arange(m)
+    vis_BxTxM = (j[None, None, :] <= q_pos_index[:, :, None]) & (
+        j[None, None, :] < kv_len[:, None, None]
+    )
+    vis = vis_BxTxM[:, None, None]
+    s = jnp.where(vis, s, -jnp.inf)
+    m_safe = jnp.where(vis.any(-1), s.max(-1), 0.0)
+    p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+    l = p.sum(-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)
+    out = jnp.einsum(
+        "bkgtm,bmkd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, t, h, d).astype(q.dtype)

@@ -1,0 +1,65 @@
+"""What ``launch.py`` calls: fake CPU devices, validate, write the resolved config, dispatch.
+
+``cfg.run.entry`` picks the library function; each takes ``(cfg, workdir)`` and returns a
+summary dict, which is written to ``<workdir>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+from gyre.config import ConfigError, validate
+
+ENTRIES = {
+    "smoke": "gyre.smoke:run",
+    "harness": "gyre.agent.experiment:run",
+    "rl": "gyre.elastic.controller:train_and_evaluate",
+    "paper_table": "gyre.elastic.paper:run",
+}
+
+
+def resolve_entry(name: str):
+    if name not in ENTRIES:
+        raise ConfigError(f"config key 'run.entry' is {name!r}, not one of {sorted(ENTRIES)}")
+    module, fn = ENTRIES[name].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def setup_devices(cfg) -> None:
+    """Fakes cfg.mesh.cpu_devices CPU devices; must run before JAX initialises a backend."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+
+
+def write_config(cfg, workdir: str) -> str:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    with open(path, "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+    return path
+
+
+def main(cfg, workdir: str) -> dict:
+    """Runs one experiment. A bad config exits with a one-line message naming the key."""
+    try:
+        validate(cfg)
+        setup_devices(cfg)
+        import jax
+
+        from gyre import mesh
+
+        validate(cfg, num_devices=len(jax.devices()))
+        entry = resolve_entry(cfg.run.entry)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    write_config(cfg, workdir)
+    if cfg.mesh.compilation_cache:
+        mesh.enable_compilation_cache(workdir)
+    summary = entry(cfg, workdir)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True, default=str)
+    return summary

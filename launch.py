@@ -1,0 +1,30 @@
+"""Gyre entry point: parses flags, validates the config, and calls one library function.
+
+    python launch.py   # the quick start: experiments/quickstart.py into workdirs/quickstart
+    python launch.py --config=experiments/smoke.py --workdir=/tmp/gyre/smoke \
+        --config.train.lr=3e-4
+
+The experiment's ``run.entry`` names the library function (see gyre/run.py).
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "experiments/quickstart.py", "Experiment config file, optionally FILE.py:ARG."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "workdirs/quickstart", "Where the config, checkpoints, metrics and plots go."
+)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from gyre import run  # after absl parsed flags, so XLA_FLAGS set by run apply first
+
+    run.main(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,68 @@
+"""Config validation: unknown keys, wrong types and impossible layouts are one-line errors."""
+
+import ml_collections
+import pytest
+
+from gyre.config import ConfigError, default_config, validate
+
+
+def test_defaults_validate():
+    validate(default_config(), num_devices=8)
+
+
+def test_unknown_key_is_named_with_suggestion():
+    cfg = default_config()
+    cfg.train.unlock()
+    cfg.train.lrr = 3e-4
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr' \(did you mean train.lr\?\)"):
+        validate(cfg)
+
+
+def test_unknown_section_is_named():
+    cfg = default_config()
+    cfg.unlock()
+    cfg.trian = {"lr": 1.0}
+    with pytest.raises(ConfigError, match="'trian'"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("train", "lr", "fast"), ("model", "num_layers", 2.5), ("model", "tie_embeddings", 1),
+     ("mesh", "cell_size", True)],
+)
+def test_wrong_type_is_named(section, key, value):
+    # ConfigDict itself refuses most retyping; a config built from a plain dict does not.
+    d = default_config().to_dict()
+    d[section][key] = value
+    cfg = ml_collections.ConfigDict(d)
+    with pytest.raises(ConfigError, match=f"'{section}.{key}' must be"):
+        validate(cfg)
+
+
+def test_int_accepted_for_float():
+    cfg = default_config()
+    cfg.train.lr = 1
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "updates,match",
+    [
+        ({"mesh.cell_size": 3}, "mesh.cell_size"),
+        ({"mesh.num_devices": 16}, "mesh.num_devices"),
+        ({"mesh.cell_size": 4, "mesh.model_parallel": 3}, "mesh.model_parallel"),
+        ({"mesh.cell_size": 4, "mesh.model_parallel": 4, "model.num_kv_heads": 2}, "model.num_kv_heads"),
+        ({"model.num_kv_heads": 3}, "model.num_kv_heads"),
+        ({"trajectory.row_len": 100}, "trajectory.row_len"),
+        ({"trajectory.loss_mode": "mean"}, "trajectory.loss_mode"),
+        ({"run.scheduler": "fifo"}, "run.scheduler"),
+    ],
+)
+def test_impossible_layouts_and_choices(updates, match):
+    cfg = default_config()
+    for path, value in updates.items():
+        section, key = path.split(".")
+        cfg[section][key] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, num_devices=8)
