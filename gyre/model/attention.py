@@ -114,7 +114,7 @@ def _row_forward(q, k, v, leave_T, block, scale):
         q_blk = slice_t(q, q0)
 
         def key_block(i, state):
-            m, l, acc = state
+            m, denom, acc = state
             k0 = kv_blocks_QxK[qb, i] * block
             s = _scores(q_blk, slice_t(k, k0), scale)
             vis = _pair_mask(leave_T, q0, k0, block)
@@ -129,17 +129,18 @@ def _row_forward(q, k, v, leave_T, block, scale):
                 slice_t(v, k0),
                 preferred_element_type=jnp.float32,
             )
-            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+            return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
 
         init = (
             jnp.full((kvh, g, block), -jnp.inf, jnp.float32),
             jnp.zeros((kvh, g, block), jnp.float32),
             jnp.zeros((kvh, g, block, d), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(0, kv_count_Q[qb], key_block, init)
-        seen = l > 0
-        o_blk = acc / jnp.where(seen, l, 1.0)[..., None]
-        lse_blk = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        m, denom, acc = jax.lax.fori_loop(0, kv_count_Q[qb], key_block, init)
+        seen = denom > 0
+        denom = jnp.where(seen, denom, 1.0)
+        o_blk = acc / denom[..., None]
+        lse_blk = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
         out = jax.lax.dynamic_update_slice_in_dim(out, o_blk, q0, axis=-2)
         lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_blk, q0, axis=-1)
         return out, lse
@@ -217,9 +218,7 @@ def _forward_rows(q, k, v, leave, block):
     scale = 1.0 / math.sqrt(q.shape[-1])
     q_r, k_r, v_r = _to_rows(q, k, v)
     # lax.map, not vmap: each row keeps its own data-dependent trip counts.
-    out_r, lse_r = jax.lax.map(
-        lambda xs: _row_forward(*xs, block, scale), (q_r, k_r, v_r, leave)
-    )
+    out_r, lse_r = jax.lax.map(lambda xs: _row_forward(*xs, block, scale), (q_r, k_r, v_r, leave))
     return out_r, lse_r
 
 
@@ -253,7 +252,9 @@ _block_sparse.defvjp(_block_sparse_fwd, _block_sparse_bwd)
 
 def _check_qkv(q, k, v, leave):
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"expected q[B,T,H,Dh], k/v[B,T,KVH,Dh]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"expected q[B,T,H,Dh], k/v[B,T,KVH,Dh]; got {q.shape}, {k.shape}, {v.shape}"
+        )
     b, t, h, d = q.shape
     if k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2]:
         raise ValueError(f"q {q.shape} and k/v {k.shape} disagree (H must be a multiple of KVH)")
@@ -301,8 +302,8 @@ def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     s = jnp.where(vis, s, -jnp.inf)
     m_safe = jnp.where(vis.any(-1), s.max(-1), 0.0)
     p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
-    l = p.sum(-1, keepdims=True)
-    p = p / jnp.where(l > 0, l, 1.0)
+    denom = p.sum(-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum(
         "bkgtm,bmkd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
     )

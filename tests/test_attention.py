@@ -1,0 +1,195 @@
+"""Tree attention: block-sparse vs the dense-mask reference (values and gradients)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.model import attention
+
+T, BLOCK, H, KVH, DH = 64, 16, 4, 2, 8
+
+
+def leave_from_parents(parents: list[int], t: int) -> np.ndarray:
+    """leave[t] for a forest given parent[i] < i (-1 = root), in DFS order, padded to t."""
+    n = len(parents)
+    children = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        (children[p] if p >= 0 else roots).append(i)
+    leave = np.arange(1, t + 1, dtype=np.int32)  # padding: isolated one-token roots
+    position = 0
+
+    def visit(node):  # recursive DFS is fine: trees here have at most t nodes
+        nonlocal position
+        start = position
+        position += 1
+        for child in children[node]:
+            visit(child)
+        leave[start] = position
+
+    for root in roots:
+        visit(root)
+    return leave
+
+
+@st.composite
+def forests(draw, t=T):
+    n = draw(st.integers(1, t))
+    # Parents drawn near the node keep branches long, so many key blocks are skipped.
+    parents = [draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)]
+    return leave_from_parents(parents, t)
+
+
+def random_qkv(seed, b=2, t=T, h=H, kvh=KVH, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, h, DH), dtype)
+    k = jax.random.normal(keys[1], (b, t, kvh, DH), dtype)
+    v = jax.random.normal(keys[2], (b, t, kvh, DH), dtype)
+    cotangent = jax.random.normal(keys[3], (b, t, h, DH), jnp.float32)
+    return q, k, v, cotangent
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "block"))
+def value_and_grads(q, k, v, leave, cotangent, impl, block=BLOCK):
+    def loss(q, k, v):
+        out = attention.attend(q, k, v, leave, impl=impl, block=block)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+def assert_matches_dense(q, k, v, leave, cotangent, atol, block=BLOCK):
+    out, grads = value_and_grads(q, k, v, leave, cotangent, "block_sparse", block)
+    ref_out, ref_grads = value_and_grads(q, k, v, leave, cotangent, "dense", block)
+    np.testing.assert_allclose(np.float32(out), np.float32(ref_out), atol=atol, rtol=atol)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(
+            np.float32(g), np.float32(ref), atol=atol, rtol=atol, err_msg=f"d{name}"
+        )
+
+
+@settings(max_examples=30, deadline=None)
+@given(forests(), forests(), st.integers(0, 2**16))
+def test_random_trees_match_dense(leave0, leave1, seed):
+    q, k, v, cotangent = random_qkv(seed)
+    leave = jnp.asarray(np.stack([leave0, leave1]))
+    assert_matches_dense(q, k, v, leave, cotangent, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(forests())
+def test_block_visibility_is_exact(leave):
+    """A block pair is visited iff some (query, key) pair in it is visible."""
+    mask_TxT = np.asarray(attention.tree_mask(jnp.asarray(leave)[None])[0])
+    nb = T // BLOCK
+    expected = mask_TxT.reshape(nb, BLOCK, nb, BLOCK).any(axis=(1, 3))
+    got = np.asarray(attention.block_visibility(jnp.asarray(leave), BLOCK))
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("kvh", [1, 4])
+def test_causal_and_padding_rows(kvh):
+    q, k, v, cotangent = random_qkv(1, kvh=kvh)
+    causal = np.full(T, T, np.int32)
+    padding = np.arange(1, T + 1, dtype=np.int32)
+    assert_matches_dense(q, k, v, jnp.asarray(np.stack([causal, padding])), cotangent, atol=1e-5)
+
+
+def test_padding_row_is_self_attention():
+    q, k, v, _ = random_qkv(2, b=1)
+    leave = jnp.arange(1, T + 1, dtype=jnp.int32)[None]
+    out = attention.block_sparse_attention(q, k, v, leave, BLOCK)
+    expected = jnp.repeat(v, H // KVH, axis=2)  # each query sees only its own key
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+
+
+def test_query_that_sees_nothing_is_zero_not_nan():
+    # leave[k] = k: key k is seen by no query, so no query sees anything at all in blocks 0-1.
+    leave_T = np.full(T, T, np.int32)
+    leave_T[: 2 * BLOCK] = np.arange(2 * BLOCK)
+    q, k, v, cotangent = random_qkv(3, b=1)
+    leave = jnp.asarray(leave_T)[None]
+    out, grads = value_and_grads(q, k, v, leave, cotangent, "block_sparse")
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+    np.testing.assert_array_equal(np.asarray(out[:, : 2 * BLOCK]), 0.0)
+    assert_matches_dense(q, k, v, leave, cotangent, atol=1e-5)
+
+
+def test_bf16_matches_dense_loosely():
+    leave = jnp.asarray(np.stack([leave_from_parents([-1, 0, 1, 1, 3, 0], T)] * 2))
+    leave = leave.at[:, 0].set(T).at[:, 1:40].set(40)  # a prefix-then-branches shape
+    q, k, v, cotangent = random_qkv(4, dtype=jnp.bfloat16)
+    out, grads = value_and_grads(q, k, v, leave, cotangent, "block_sparse")
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    assert_matches_dense(q, k, v, leave, cotangent, atol=6e-2)
+
+
+def test_branchy_tree_visits_fewer_blocks_than_causal():
+    t = 256
+    leave = np.full(t, t, np.int32)  # prefix of 64, then 4 branches of 48
+    for start in range(64, t, 48):
+        leave[start : start + 48] = min(start + 48, t)
+    leave[-1] = t
+    causal = np.full(t, t, np.int32)
+    tree_fraction = attention.visible_block_fraction(leave, 32)
+    causal_fraction = attention.visible_block_fraction(causal, 32)
+    assert causal_fraction == pytest.approx(36 / 64)  # 8 blocks: lower triangle with diagonal
+    assert tree_fraction < 0.8 * causal_fraction
+
+
+def test_bad_inputs_raise_clearly():
+    q, k, v, _ = random_qkv(5)
+    leave = jnp.full((2, T), T, jnp.int32)
+    with pytest.raises(ValueError, match="not a multiple of the attention block 24"):
+        attention.attend(q, k, v, leave, block=24)
+    with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
+        attention.attend(q, k, v, leave, impl="flash")
+    with pytest.raises(ValueError, match="multiple of KVH"):
+        attention.attend(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), leave)
+    with pytest.raises(ValueError, match="leave has shape"):
+        attention.attend(q, k, v, leave[:, :-1])
+
+
+def naive_cached(q, k_cache, v_cache, q_pos_index, kv_len):
+    """Per-query numpy loop: softmax over cache entries j <= pos, j < kv_len."""
+    b, t, h, d = q.shape
+    group = h // k_cache.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for bi in range(b):
+        for ti in range(t):
+            n = min(int(q_pos_index[bi, ti]) + 1, int(kv_len[bi]))
+            for hi in range(h):
+                keys = np.float64(k_cache[bi, :n, hi // group])
+                s = keys @ np.float64(q[bi, ti, hi]) / np.sqrt(d)
+                p = np.exp(s - s.max())
+                out[bi, ti, hi] = p / p.sum() @ np.float64(v_cache[bi, :n, hi // group])
+    return out
+
+
+def test_cached_attention_decode_and_prefill():
+    m = 24
+    q, _, _, _ = random_qkv(6, t=3)
+    k_cache, v_cache = (
+        jax.random.normal(key, (2, m, KVH, DH)) for key in jax.random.split(jax.random.key(7))
+    )
+    # Row 0: a 3-token prefill chunk at 5..7 of a 8-entry slot; row 1: decode positions 20..22
+    # with entries beyond kv_len holding garbage that must not leak in.
+    q_pos_index = jnp.array([[5, 6, 7], [20, 21, 22]], jnp.int32)
+    kv_len = jnp.array([8, 23], jnp.int32)
+    out = attention.cached_attention(q, k_cache, v_cache, q_pos_index, kv_len)
+    ref = naive_cached(*(np.asarray(x) for x in (q, k_cache, v_cache, q_pos_index, kv_len)))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_cached_attention_equals_causal_tree_attention():
+    q, k, v, _ = random_qkv(8)
+    positions = jnp.broadcast_to(jnp.arange(T), (2, T))
+    out = attention.cached_attention(q, k, v, positions, jnp.full((2,), T))
+    ref = attention.dense_attention(q, k, v, jnp.full((2, T), T, jnp.int32))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
