@@ -1,0 +1,201 @@
+"""Allocation policies: pure functions of a load snapshot (DESIGN.md, "Scheduler policies").
+
+The controller and the simulator build a :class:`LoadSnapshot` at every decision point (an
+execution ends, the train queue drains, an optimizer step lands, a switch completes) and call
+``POLICIES[name](snapshot, params)``. The returned :class:`Allocation` names the target role
+of every cell and whether the next step's batch may be dispatched now. Same snapshot, same
+allocation: nothing here reads a clock, a random source or global state.
+
+Cell 0 is the core cell: it owns the optimizer state, so it is the first to leave rollout and
+the last to return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+ROLLOUT, TRAIN = "rollout", "train"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSnapshot:
+    """What a policy may look at. Per-cell tuples have one entry per cell (index 0 = core).
+
+    roles: the role each cell plays or is switching into.
+    dispatched / started / finished: execution counters since the run began.
+    live_requests: model calls held by each cell (0 on train cells).
+    train_queue_tokens: tokens of finished executions not yet trained (queued or in flight).
+    rollout_capacity: executions a cell serves concurrently at its target batch.
+    train_throughput: tokens/s one cell trains.
+    switch_r2t_s / switch_t2r_s: seconds a rollout->train / train->rollout switch costs.
+    step: index of the next step whose batch is not yet dispatched.
+    weight_version: optimizer steps completed (the newest published weights).
+    total_steps / next_batch: steps in the run, executions the next dispatch adds.
+    """
+
+    roles: tuple[str, ...]
+    dispatched: int
+    started: int
+    finished: int
+    live_requests: tuple[int, ...]
+    train_queue_tokens: float
+    rollout_capacity: tuple[float, ...]
+    train_throughput: tuple[float, ...]
+    switch_r2t_s: float
+    switch_t2r_s: float
+    step: int = 0
+    weight_version: int = 0
+    total_steps: int = 1
+    next_batch: int = 0
+
+    def __post_init__(self):
+        k = len(self.roles)
+        if k == 0:
+            raise ValueError("LoadSnapshot.roles is empty: a run needs at least one cell")
+        for name in ("live_requests", "rollout_capacity", "train_throughput"):
+            if len(getattr(self, name)) != k:
+                raise ValueError(
+                    f"LoadSnapshot.{name} has {len(getattr(self, name))} entries, roles has {k}"
+                )
+        if any(r not in (ROLLOUT, TRAIN) for r in self.roles):
+            raise ValueError(f"LoadSnapshot.roles must be 'rollout' or 'train', got {self.roles}")
+        if not 0 <= self.finished <= self.started <= self.dispatched:
+            raise ValueError(
+                f"LoadSnapshot counters must satisfy 0 <= finished ({self.finished}) <= started "
+                f"({self.started}) <= dispatched ({self.dispatched})"
+            )
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.roles)
+
+    @property
+    def outstanding(self) -> int:
+        """Executions dispatched and not yet finished (the rollout work still owed)."""
+        return self.dispatched - self.finished
+
+    @property
+    def staleness(self) -> int:
+        """Version lag a batch dispatched now would carry: step - weight_version."""
+        return self.step - self.weight_version
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyParams:
+    """async_rollout_cells: the fixed async split (0 = half); max_staleness: bound on
+    step - weight_version at dispatch (colocate always uses 0); slack_cells: spare rollout
+    cells the waterlevel keeps beyond the outstanding work."""
+
+    async_rollout_cells: int = 0
+    max_staleness: int = 1
+    slack_cells: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """roles: target role per cell; dispatch: the next step's batch may be dispatched now."""
+
+    roles: tuple[str, ...]
+    reason: str
+    dispatch: bool = False
+
+
+def _may_dispatch(snap: LoadSnapshot, max_staleness: int) -> bool:
+    return snap.step < snap.total_steps and snap.staleness <= max_staleness
+
+
+def colocate(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """All cells roll out a step's batch, then all cells train on it (staleness 0)."""
+    k = snap.num_cells
+    idle = snap.outstanding == 0 and snap.train_queue_tokens == 0
+    if idle and _may_dispatch(snap, 0):
+        return Allocation((ROLLOUT,) * k, f"dispatch step {snap.step}: all cells roll out", True)
+    if snap.outstanding > 0:
+        return Allocation((ROLLOUT,) * k, f"{snap.outstanding} executions outstanding")
+    if snap.train_queue_tokens > 0:
+        return Allocation((TRAIN,) * k, "rollout done: all cells train")
+    return Allocation(snap.roles, "waiting for the optimizer step")
+
+
+def async_split(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """A fixed split: the first K - R cells (the core among them) train, the rest roll out.
+
+    The rollout of step s + 1 overlaps the training of step s; a batch is dispatched only
+    while step - weight_version <= max_staleness.
+    """
+    k = snap.num_cells
+    r = params.async_rollout_cells or k // 2
+    if not 1 <= r <= k - 1:
+        raise ValueError(
+            f"PolicyParams.async_rollout_cells must be in [1, {k - 1}] for {k} cells, got {r}"
+        )
+    roles = (TRAIN,) * (k - r) + (ROLLOUT,) * r
+    dispatch = _may_dispatch(snap, params.max_staleness)
+    return Allocation(roles, f"fixed split {k - r} train / {r} rollout", dispatch)
+
+
+def _capacity(snap: LoadSnapshot, cells) -> float:
+    return sum(snap.rollout_capacity[i] for i in cells)
+
+
+def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """Waterlevel rule.
+
+    demand = outstanding executions (+ the next batch if it may be dispatched now).
+    Leave: rollout cells in the order core first, then fewest live requests; one leaves while
+    the capacity left behind minus ``slack_cells`` of capacity still covers the demand, and
+    only if the idle area it reclaims (cell-seconds of queued train work it would do, queue /
+    (train throughput with it)) exceeds the round-trip switch cost.
+    Return: once the train queue has drained, train cells (core last) return while rollout
+    capacity minus slack falls short of the demand. Demand never lacks a rollout cell, and a
+    queue with no demand left never lacks a train cell.
+    """
+    k = snap.num_cells
+    dispatch = _may_dispatch(snap, params.max_staleness)
+    demand = snap.outstanding + (snap.next_batch if dispatch else 0)
+    slack = params.slack_cells * max(snap.rollout_capacity)
+    roles = list(snap.roles)
+    rollout = [i for i in range(k) if roles[i] == ROLLOUT]
+
+    def covered(cells) -> bool:
+        return demand == 0 or _capacity(snap, cells) - slack >= demand
+
+    moved_out, moved_in = [], []
+    queue = snap.train_queue_tokens
+    if queue > 0:
+        train_tp = sum(snap.train_throughput[i] for i in range(k) if roles[i] == TRAIN)
+        round_trip = snap.switch_r2t_s + snap.switch_t2r_s
+        order = sorted(rollout, key=lambda i: (i != 0, snap.live_requests[i], i))
+        for i in order:
+            rest = [j for j in rollout if j != i]
+            reclaimed_s = queue / (train_tp + snap.train_throughput[i])
+            if not covered(rest) or reclaimed_s <= round_trip:
+                continue
+            roles[i], rollout, train_tp = TRAIN, rest, train_tp + snap.train_throughput[i]
+            moved_out.append(i)
+    else:
+        # Core last: the highest index returns first.
+        for i in sorted((i for i in range(k) if roles[i] == TRAIN), reverse=True):
+            if covered(rollout):
+                break
+            roles[i] = ROLLOUT
+            rollout.append(i)
+            moved_in.append(i)
+    if demand > 0 and not rollout:
+        roles[k - 1] = ROLLOUT
+        moved_in.append(k - 1)
+    if queue > 0 and demand == 0 and TRAIN not in roles:
+        # Nothing else will ever drain the queue, whatever the switch costs.
+        roles[0] = TRAIN
+        moved_out.append(0)
+    need = math.ceil(demand / max(snap.rollout_capacity)) if demand else 0
+    reason = f"demand {demand} (~{need} cells) + slack {params.slack_cells}"
+    if moved_out:
+        reason += f"; cells {moved_out} leave rollout (queue {queue:.0f} tokens)"
+    if moved_in:
+        reason += f"; cells {moved_in} return to rollout"
+    return Allocation(tuple(roles), reason, dispatch)
+
+
+POLICIES = {"colocate": colocate, "async": async_split, "elastic": elastic}

@@ -1,0 +1,201 @@
+"""Allocation policies: the waterlevel rule, the async split and staleness bound, purity."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.elastic.policy import (
+    POLICIES,
+    ROLLOUT,
+    TRAIN,
+    LoadSnapshot,
+    PolicyParams,
+    async_split,
+    colocate,
+    elastic,
+)
+
+R, T = ROLLOUT, TRAIN
+
+
+def snap(
+    roles,
+    outstanding=0,
+    queue=0.0,
+    live=None,
+    cap=4.0,
+    tp=100.0,
+    step=1,
+    version=1,
+    total=10,
+    next_batch=8,
+    r2t=8.5,
+    t2r=3.5,
+):
+    k = len(roles)
+    return LoadSnapshot(
+        roles=tuple(roles),
+        dispatched=20 + outstanding,
+        started=20 + outstanding,
+        finished=20,
+        live_requests=tuple(live or [0] * k),
+        train_queue_tokens=queue,
+        rollout_capacity=(cap,) * k,
+        train_throughput=(tp,) * k,
+        switch_r2t_s=r2t,
+        switch_t2r_s=t2r,
+        step=step,
+        weight_version=version,
+        total_steps=total,
+        next_batch=next_batch,
+    )
+
+
+BIG_QUEUE = 1e6  # 1e6 tokens / 100 tok/s per cell: far more than any switch cost
+
+
+def test_core_cell_leaves_first_then_fewest_live_requests():
+    # demand 2, capacity 4/cell, one cell of slack: 2 rollout cells must stay.
+    s = snap([R, R, R, R], outstanding=2, queue=BIG_QUEUE, live=[3, 2, 0, 1], step=2, version=1)
+    a = elastic(s, PolicyParams(max_staleness=0))
+    assert a.roles == (T, R, T, R)
+    assert not a.dispatch
+
+
+def test_slack_of_one_cell():
+    p = PolicyParams(max_staleness=0)
+    # 8 outstanding need 2 cells of capacity + 1 of slack: only the core may leave.
+    a = elastic(snap([R] * 4, outstanding=8, queue=BIG_QUEUE, step=2), p)
+    assert a.roles == (T, R, R, R)
+    # 9 outstanding need 3 cells + slack = all 4: nobody leaves.
+    a = elastic(snap([R] * 4, outstanding=9, queue=BIG_QUEUE, step=2), p)
+    assert a.roles == (R,) * 4
+    # Two cells of slack keep one more cell in rollout.
+    a = elastic(
+        snap([R] * 4, outstanding=4, queue=BIG_QUEUE, step=2), dataclasses.replace(p, slack_cells=2)
+    )
+    assert a.roles == (T, R, R, R)
+
+
+def test_switch_only_when_reclaimed_area_exceeds_round_trip_cost():
+    p = PolicyParams(max_staleness=0)
+    cost = 8.5 + 3.5  # seconds; one cell trains 100 tok/s, so the break-even queue is 1200
+    # One execution outstanding: capacity allows two cells to leave.
+    a = elastic(snap([R] * 4, outstanding=1, queue=1199.0, step=2), p)
+    assert a.roles == (R,) * 4
+    a = elastic(snap([R] * 4, outstanding=1, queue=1201.0, step=2), p)
+    assert a.roles == (T, R, R, R)  # a second cell would reclaim only 1201/200 s < 12 s
+    a = elastic(snap([R] * 4, outstanding=1, queue=100 * cost * 2 + 1, step=2), p)
+    assert a.roles == (T, T, R, R)
+    # No demand left: the queue must be trained whatever the cost, so the core goes.
+    a = elastic(snap([R] * 4, outstanding=0, queue=10.0, step=2), p)
+    assert a.roles == (T, R, R, R)
+
+
+def test_cells_return_when_queue_drains_core_last():
+    p = PolicyParams(max_staleness=0)
+    roles = [T, T, T, R]
+    # Queue not drained: the train cells stay even though demand is high.
+    assert elastic(snap(roles, outstanding=6, queue=50.0, step=2), p).roles == tuple(roles)
+    # Drained: demand 6 needs 2 cells + slack -> two of the train cells return, core last.
+    a = elastic(snap(roles, outstanding=6, queue=0.0, step=2), p)
+    assert a.roles == (T, R, R, R)
+    a = elastic(snap(roles, outstanding=9, queue=0.0, step=2), p)
+    assert a.roles == (R, R, R, R)
+    # Drained and no demand: nobody moves (returning reclaims nothing).
+    assert elastic(snap(roles, outstanding=0, queue=0.0, step=2), p).roles == tuple(roles)
+
+
+def test_next_batch_counts_as_demand_when_it_may_be_dispatched():
+    a = elastic(snap([T, T, T, T], outstanding=0, queue=0.0, step=1, version=1, next_batch=8))
+    assert a.dispatch and a.roles == (T, R, R, R)  # 8 + 4 of slack needs 3 cells
+    # Staleness 0 forbids the dispatch while step 2 waits on version 1: no demand, no return.
+    a = elastic(snap([T] * 4, step=2, version=1), PolicyParams(max_staleness=0))
+    assert not a.dispatch and a.roles == (T,) * 4
+
+
+def test_demand_never_left_without_a_rollout_cell():
+    # Queue not drained (no return by the rule), yet demand exists: one cell is brought back.
+    a = elastic(snap([T] * 4, outstanding=3, queue=BIG_QUEUE, step=2))
+    assert a.roles.count(R) >= 1 and a.roles[0] == T
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_async_keeps_a_fixed_split_with_core_training(split):
+    p = PolicyParams(async_rollout_cells=split, max_staleness=1)
+    shapes = [
+        snap([R] * 4, outstanding=10, queue=0.0),
+        snap([T, R, T, R], outstanding=0, queue=BIG_QUEUE),
+        snap([T] * 4, outstanding=1, queue=5.0, step=7, version=3),
+    ]
+    allocs = {async_split(s, p).roles for s in shapes}
+    assert allocs == {(T,) * (4 - split) + (R,) * split}
+
+
+def test_async_bounds_staleness():
+    for k in (0, 1, 2):
+        p = PolicyParams(async_rollout_cells=2, max_staleness=k)
+        for step in range(4, 9):
+            a = async_split(snap([R] * 4, step=step, version=4), p)
+            assert a.dispatch == (step - 4 <= k)
+    # No step left to dispatch.
+    assert not async_split(snap([R] * 4, step=10, version=9, total=10)).dispatch
+
+
+def test_async_rejects_impossible_split():
+    with pytest.raises(ValueError, match="async_rollout_cells"):
+        async_split(snap([R] * 4), PolicyParams(async_rollout_cells=4))
+
+
+def test_colocate_phases():
+    assert colocate(snap([T] * 4, outstanding=3)).roles == (R,) * 4
+    a = colocate(snap([R] * 4, outstanding=0, queue=10.0, step=2, version=1))
+    assert a.roles == (T,) * 4 and not a.dispatch
+    a = colocate(snap([T] * 4, outstanding=0, queue=0.0, step=2, version=2))
+    assert a.dispatch and a.roles == (R,) * 4
+    # Staleness 0: waiting for the optimizer step, nothing changes.
+    a = colocate(snap([T] * 4, outstanding=0, queue=0.0, step=2, version=1))
+    assert not a.dispatch and a.roles == (T,) * 4
+
+
+def test_snapshot_validation():
+    with pytest.raises(ValueError, match="live_requests"):
+        LoadSnapshot((R, R), 1, 1, 0, (0,), 0.0, (1.0, 1.0), (1.0, 1.0), 1.0, 1.0)
+    with pytest.raises(ValueError, match="finished"):
+        LoadSnapshot((R,), 1, 1, 2, (0,), 0.0, (1.0,), (1.0,), 1.0, 1.0)
+
+
+snapshots = st.builds(
+    lambda roles, out, q, live, cap, tp, step, lag: snap(
+        roles,
+        outstanding=out,
+        queue=q,
+        live=live[: len(roles)] + [0] * (len(roles) - len(live)),
+        cap=cap,
+        tp=tp,
+        step=step,
+        version=max(step - lag, 0),
+    ),
+    st.lists(st.sampled_from([R, T]), min_size=2, max_size=8),
+    st.integers(0, 40),
+    st.sampled_from([0.0, 10.0, 1e3, 1e5, 1e7]),
+    st.lists(st.integers(0, 8), max_size=8),
+    st.sampled_from([1.0, 4.0, 16.0]),
+    st.sampled_from([10.0, 1e3]),
+    st.integers(0, 10),
+    st.integers(0, 3),
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(snapshots, st.sampled_from(sorted(POLICIES)))
+def test_policies_are_pure_and_well_formed(s, name):
+    p = PolicyParams(async_rollout_cells=1)
+    a, b = POLICIES[name](s, p), POLICIES[name](s, p)
+    assert a == b
+    assert len(a.roles) == s.num_cells and set(a.roles) <= {R, T}
+    demand = s.outstanding + (s.next_batch if a.dispatch else 0)
+    assert demand == 0 or R in a.roles  # rollout work always has a cell
+    assert s.train_queue_tokens == 0 or demand > 0 or T in a.roles  # so does train work
