@@ -69,7 +69,11 @@ def validate_record(rec: CallRecord, vocab_size: int) -> None:
         if ids.size and ids.min() < 0:
             _fail(rec, field, f"holds a negative token id ({int(ids.min())})")
         if ids.size and ids.max() >= vocab_size:
-            _fail(rec, field, f"holds token id {int(ids.max())} outside the vocabulary of {vocab_size}")
+            _fail(
+                rec,
+                field,
+                f"holds token id {int(ids.max())} outside the vocabulary of {vocab_size}",
+            )
     if rec.completion.size == 0:
         _fail(rec, "completion", "is empty")
     n = rec.completion.size
