@@ -1,0 +1,419 @@
+"""Rollout engine: one per rollout cell, a slot KV cache and continuous batching.
+
+The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k','v'}: [L, S, M, KVH, Dh],
+slots over the cell's 'data' axis via logical 'batch', kv heads over 'model'). Two jit
+programs per cell (see :class:`Programs`), each with one fixed shape: a prefill of one
+``prefill_chunk`` for one slot, and a decode step of one token for every slot at once
+(inactive slots write nowhere and their outputs are ignored). The engine is driven by
+explicit :meth:`Engine.step` calls, so it is deterministic; the proxy drives engines from
+asyncio. Between two steps requests join and leave slots, weights change
+(:meth:`Engine.set_weights`) and live requests move to other cells (:meth:`Engine.export`,
+:meth:`Engine.import_`, :meth:`Engine.cancel`).
+
+Multi-turn reuse: a finished slot keeps its tokens' KV (LRU). A new prompt goes to the idle
+slot with the longest common token prefix, the slot is rewound to that prefix and only the
+suffix is prefilled (a retry resuming from an earlier point is the same rewind).
+
+Weight updates keep in-flight requests: KV computed by an older version stays in the cache
+(standard practice); each completion token records the version whose logits sampled it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gyre import mesh as gmesh
+from gyre.model import decoder as gdec
+from gyre.rollout import sampler
+from gyre.rollout.types import GenerateRequest, GenerateResponse
+
+
+def validate_request(request: GenerateRequest, vocab_size: int, max_len: int) -> np.ndarray:
+    """-> the prompt as int32[P]; raises ValueError naming the request for unusable input."""
+    name = f"request (execution {request.execution_id!r}, call {request.call_id})"
+    prompt = np.asarray(request.prompt)
+    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"{name}: prompt must be a non-empty 1-D integer array, got {prompt!r}")
+    if prompt.size >= max_len:
+        raise ValueError(
+            f"{name}: prompt of {prompt.size} tokens does not fit the cache (max_len {max_len})"
+        )
+    bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
+    if bad.size:
+        raise ValueError(
+            f"{name}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
+        )
+    if request.max_new_tokens < 1:
+        raise ValueError(f"{name}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if request.temperature is not None and request.temperature < 0:
+        raise ValueError(f"{name}: temperature must be >= 0, got {request.temperature}")
+    return prompt.astype(np.int32)
+
+
+@dataclasses.dataclass
+class Live:
+    """Host state of one running request (its 'sampler state' is the request identity)."""
+
+    rid: int
+    request: GenerateRequest
+    prompt: np.ndarray  # int32[P]
+    temperature: float
+    max_new: int  # capped so that prompt + completion fits the cache
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+
+    def response(self, reason: str) -> GenerateResponse:
+        return GenerateResponse(
+            np.asarray(self.tokens, np.int32),
+            np.asarray(self.logprobs, np.float32),
+            np.asarray(self.versions, np.int32),
+            reason,
+        )
+
+
+@dataclasses.dataclass
+class Slot:
+    held: np.ndarray  # int32[length]: tokens whose K/V the slot holds, positions 0..length-1
+    live: Live | None = None
+    last_used: int = -1
+
+
+@dataclasses.dataclass
+class SlotExport:
+    """A live request lifted out of its slot: host state plus its KV rows (source cell)."""
+
+    live: Live
+    held: np.ndarray
+    rows: dict | None  # {'k','v'}: [L, 1, M, KVH, Dh]; None for a request still queued
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class Programs:
+    """The jit programs of one cell (one compile per cell; every shape is fixed)."""
+
+    def __init__(self, cfg, cell: gmesh.Cell):
+        r, spec = cfg.rollout, gdec.ModelSpec.from_config(cfg.model)
+        self.graphdef, abstract_state = gdec.abstract_model(spec)
+        s, m, c = r.slots, r.max_len, r.prefill_chunk
+        cache_shape = (spec.num_layers, s, m, spec.num_kv_heads, spec.head_dim)
+        abstract_cache = {k: jax.ShapeDtypeStruct(cache_shape, spec.dtype) for k in "kv"}
+        rows_axes = ("layers", None, "length", "kv_heads", "head_dim")
+        self.state_sh = gdec.state_shardings(spec, cell, "rollout")
+        self.cache_sh = gmesh.tree_shardings(
+            cell, "rollout", gdec.cache_logical_axes(), abstract_cache
+        )
+        self.rows_sh = {k: gmesh.sharding_for(cell, "rollout", rows_axes) for k in "kv"}
+        rep = NamedSharding(cell.mesh, PartitionSpec())
+        vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
+        base = sampler.base_key(cfg.seed)
+        graphdef, top_p = self.graphdef, float(r.top_p)
+
+        def prefill(state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1, temp_1):
+            pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+            hidden, cache = gdec.apply_cached(
+                graphdef, state, tokens_1xC, pos_1xC, cache, slot_1, start_1
+            )
+            h_1x1xD = jnp.take_along_axis(hidden, last_1[:, None, None], axis=1)
+            logits_1xV = gdec.apply_logits(graphdef, state, h_1x1xD)[:, 0]
+            keys = sampler.token_keys(base, hash_1, call_1, start_1 + last_1 + 1)
+            return (cache, *sampler.sample(logits_1xV, keys, temp_1, top_p))
+
+        def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+            slot_S = jnp.arange(s, dtype=jnp.int32)
+            hidden, cache = gdec.apply_cached(
+                graphdef, state, tokens_S[:, None], start_S[:, None], cache, slot_S, start_S
+            )
+            logits_SxV = gdec.apply_logits(graphdef, state, hidden)[:, 0]
+            keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
+            return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
+
+        def read_rows(cache, slot):
+            return {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in cache.items()}
+
+        def write_rows(cache, rows, slot):
+            return {
+                k: jax.lax.dynamic_update_slice_in_dim(v, rows[k].astype(v.dtype), slot, axis=1)
+                for k, v in cache.items()
+            }
+
+        out = (self.cache_sh, rep, rep)
+        self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out)
+        self.decode = jax.jit(
+            decode,
+            donate_argnums=1,
+            in_shardings=(self.state_sh, self.cache_sh, vec, vec, vec, vec, vec),
+            out_shardings=(self.cache_sh, vec, vec),
+        )
+        self.read_rows = jax.jit(read_rows, out_shardings=self.rows_sh)
+        self.write_rows = jax.jit(write_rows, donate_argnums=0, out_shardings=self.cache_sh)
+        zeros = lambda: {k: jnp.zeros(cache_shape, spec.dtype) for k in "kv"}
+        self.new_cache = jax.jit(zeros, out_shardings=self.cache_sh)
+
+
+@functools.lru_cache(maxsize=64)
+def _programs_cached(cell, key, cfg_holder):
+    return Programs(cfg_holder.cfg, cell)
+
+
+class _CfgHolder:
+    """Hashes a config by the keys the programs depend on."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        r = cfg.rollout
+        self.key = (
+            gdec.ModelSpec.from_config(cfg.model),
+            r.slots,
+            r.max_len,
+            r.prefill_chunk,
+            float(r.top_p),
+            cfg.seed,
+        )
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _CfgHolder) and self.key == other.key
+
+
+def programs_for(cfg, cell: gmesh.Cell) -> Programs:
+    """Programs of ``cell`` for ``cfg``, shared by every engine built for the same pair."""
+    holder = _CfgHolder(cfg)
+    return _programs_cached(cell, holder.key, holder)
+
+
+class Engine:
+    """Continuous-batching inference on one cell. ``cfg``: full config (model + rollout)."""
+
+    def __init__(self, cfg, cell: gmesh.Cell, state, version: int = 0):
+        r = cfg.rollout
+        self.cell, self.vocab_size = cell, cfg.model.vocab_size
+        self.num_slots, self.max_len, self.chunk = r.slots, r.max_len, r.prefill_chunk
+        self.temperature = float(r.temperature)
+        self.programs: Programs = programs_for(cfg, cell)
+        self.state = gmesh.move(state, self.programs.state_sh)
+        self.version = version
+        self._rids = itertools.count()
+        self._clock = itertools.count()
+        self.queue: collections.deque[Live] = collections.deque()
+        self.stats = collections.Counter()
+        self.cache = None
+        self.resume()
+
+    # ------------------------------------------------------------------ lifecycle and weights
+
+    def resume(self, state=None, version: int | None = None) -> None:
+        """(Re)allocates an empty cache; optionally installs weights."""
+        self.cache = self.programs.new_cache()
+        self.slots = [Slot(np.zeros(0, np.int32)) for _ in range(self.num_slots)]
+        if state is not None:
+            self.set_weights(state, self.version if version is None else version)
+
+    def suspend(self) -> None:
+        """Frees the cache (the cell leaves rollout). Every live request must be gone first."""
+        if self.num_live:
+            raise RuntimeError(
+                f"cell {self.cell.index}: suspend with {self.num_live} live requests"
+            )
+        self.cache, self.slots = None, []
+
+    def set_weights(self, state, version: int) -> None:
+        """Installs new weights between steps; in-flight requests continue with them."""
+        self.state = gmesh.move(state, self.programs.state_sh)
+        self.version = int(version)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    @property
+    def num_live(self) -> int:
+        return len(self.queue) + sum(s.live is not None for s in self.slots)
+
+    def free_slots(self) -> int:
+        return sum(s.live is None for s in self.slots) - len(self.queue)
+
+    def live_ids(self) -> list[int]:
+        return [lv.rid for lv in self.queue] + [s.live.rid for s in self.slots if s.live]
+
+    def submit(self, request: GenerateRequest, rid: int | None = None) -> int:
+        """Queues a request (joins a slot at the next step); raises ValueError for bad input."""
+        prompt = validate_request(request, self.vocab_size, self.max_len)
+        temp = self.temperature if request.temperature is None else float(request.temperature)
+        max_new = min(request.max_new_tokens, self.max_len - prompt.size)
+        rid = next(self._rids) if rid is None else rid
+        self.queue.append(Live(rid, request, prompt, temp, max_new))
+        return rid
+
+    def _find(self, rid: int):
+        for lv in self.queue:
+            if lv.rid == rid:
+                return None, lv
+        for i, s in enumerate(self.slots):
+            if s.live is not None and s.live.rid == rid:
+                return i, s.live
+        raise KeyError(f"cell {self.cell.index}: no live request {rid}")
+
+    def cancel(self, rid: int) -> Live:
+        """Removes a live request; returns its token record so far (the slot keeps its KV)."""
+        i, lv = self._find(rid)
+        if i is None:
+            self.queue.remove(lv)
+        else:
+            self.slots[i].live = None
+        return lv
+
+    def export(self, rid: int) -> SlotExport:
+        """Lifts a live request out with its KV rows (on this cell), length and sampler state."""
+        i, lv = self._find(rid)
+        if i is None:
+            self.queue.remove(lv)
+            return SlotExport(lv, np.zeros(0, np.int32), None)
+        rows = self.programs.read_rows(self.cache, np.int32(i))
+        self.slots[i].live = None
+        return SlotExport(lv, self.slots[i].held, rows)
+
+    def import_(self, exp: SlotExport) -> None:
+        """Installs an exported request into an idle slot (its rows cross with device_put)."""
+        if exp.rows is None:
+            self.queue.append(exp.live)
+            return
+        idle = [i for i, s in enumerate(self.slots) if s.live is None]
+        if len(idle) <= len(self.queue):
+            raise RuntimeError(f"cell {self.cell.index}: no free slot to import request")
+        i = min(idle, key=lambda j: self.slots[j].last_used)
+        rows = gmesh.move(exp.rows, self.programs.rows_sh)
+        self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
+        self.slots[i] = Slot(exp.held, exp.live, next(self._clock))
+        self.stats["imported"] += 1
+
+    # ------------------------------------------------------------------ one step
+
+    def _place(self, lv: Live) -> bool:
+        """Puts a queued request into the idle slot sharing its longest prefix (LRU on ties)."""
+        best, best_key = None, None
+        for i, s in enumerate(self.slots):
+            if s.live is None:
+                reuse = min(common_prefix(lv.prompt, s.held), lv.prompt.size - 1)
+                key = (reuse, -s.last_used)
+                if best_key is None or key > best_key:
+                    best, best_key = i, key
+        if best is None:
+            return False
+        reuse = best_key[0]
+        slot = self.slots[best]
+        slot.held, slot.live, slot.last_used = slot.held[:reuse], lv, next(self._clock)
+        self.stats["prompt_tokens"] += lv.prompt.size
+        self.stats["reused_tokens"] += reuse
+        return True
+
+    def _record(self, slot: Slot, token: int, logprob: float, done: list) -> None:
+        lv = slot.live
+        lv.tokens.append(int(token))
+        lv.logprobs.append(float(logprob))
+        lv.versions.append(self.version)
+        self.stats["generated"] += 1
+        reason = None
+        if token in lv.request.stop_tokens:
+            reason = "stop"
+        elif len(lv.tokens) >= lv.max_new:
+            reason = "length"
+        if reason is not None:
+            done.append((lv.rid, lv.response(reason)))
+            slot.live = None
+            slot.last_used = next(self._clock)
+
+    def _prefill_one(self, slot_index: int, done: list) -> None:
+        slot, lv = self.slots[slot_index], self.slots[slot_index].live
+        start = slot.held.size
+        piece = lv.prompt[start : start + self.chunk]
+        tokens_1xC = np.zeros((1, self.chunk), np.int32)
+        tokens_1xC[0, : piece.size] = piece
+        self.cache, tok, lp = self.programs.prefill(
+            self.state,
+            self.cache,
+            tokens_1xC,
+            np.array([start], np.int32),
+            np.array([slot_index], np.int32),
+            np.array([piece.size - 1], np.int32),
+            *_identity([lv]),
+        )
+        slot.held = lv.prompt[: start + piece.size]
+        self.stats["prefill_chunks"] += 1
+        if slot.held.size == lv.prompt.size:
+            self._record(slot, int(tok[0]), float(lp[0]), done)
+
+    def _decode(self, active: list[int], done: list) -> None:
+        s = self.num_slots
+        tokens_S = np.zeros(s, np.int32)
+        start_S = np.full(s, self.max_len, np.int32)  # inactive rows write past the cache
+        lives = [None] * s
+        for i in active:
+            slot = self.slots[i]
+            lives[i] = slot.live
+            tokens_S[i] = slot.live.tokens[-1]
+            start_S[i] = slot.held.size
+        self.cache, tok_S, lp_S = self.programs.decode(
+            self.state, self.cache, tokens_S, start_S, *_identity(lives)
+        )
+        tok_S, lp_S = np.asarray(tok_S), np.asarray(lp_S)
+        self.stats["decode_steps"] += 1
+        for i in active:
+            slot = self.slots[i]
+            slot.held = np.append(slot.held, np.int32(tokens_S[i]))
+            self._record(slot, int(tok_S[i]), float(lp_S[i]), done)
+
+    def step(self) -> list[tuple[int, GenerateResponse]]:
+        """Admits queued requests, one prefill chunk per prefilling slot, one decode step.
+
+        Returns the requests finished in this step as (rid, response).
+        """
+        if self.cache is None:
+            raise RuntimeError(f"cell {self.cell.index} is suspended")
+        while self.queue and self._place(self.queue[0]):
+            self.queue.popleft()
+        done: list = []
+        for i, slot in enumerate(self.slots):
+            if slot.live is not None and slot.held.size < slot.live.prompt.size:
+                self._prefill_one(i, done)
+        active = [i for i, s in enumerate(self.slots) if s.live is not None and s.live.tokens]
+        if active:
+            self._decode(active, done)
+        return done
+
+    def run_until_done(self, max_steps: int = 100_000) -> dict[int, GenerateResponse]:
+        """Steps until nothing is live (tests, benchmarks)."""
+        out = {}
+        for _ in range(max_steps):
+            if not self.num_live:
+                return out
+            out.update(self.step())
+        raise RuntimeError(f"cell {self.cell.index}: requests still live after {max_steps} steps")
+
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from cached KV / prompt tokens admitted."""
+        return self.stats["reused_tokens"] / max(1, self.stats["prompt_tokens"])
+
+
+def _identity(lives: list):
+    """Per-row sampler inputs (exec hash, call id, temperature); zeros for empty rows."""
+    n = len(lives)
+    h, c, t = np.zeros(n, np.uint32), np.zeros(n, np.uint32), np.zeros(n, np.float32)
+    for i, lv in enumerate(lives):
+        if lv is not None:
+            eh, ci = lv.request.sample_key
+            h[i], c[i], t[i] = eh, ci & 0xFFFFFFFF, lv.temperature
+    return h, c, t
