@@ -48,8 +48,10 @@ def _trees(results, vocab_size: int, max_paths: int, row_len: int, reward: str):
     kept, rejected, excluded = [], [], []
     for i, res in enumerate(results):
         try:
-            validate_execution(res.records, vocab_size)
+            validate_execution(res.records, vocab_size, check_prompt_ids=False)
             tree = build_tree(res.records)
+            if tree.tokens.min() < 0 or tree.tokens.max() >= vocab_size:
+                validate_execution(res.records, vocab_size)  # raises, naming the call
             score = execution_score(tree.end_reason, res.judge_score, reward=reward)
             if score is None:
                 excluded.append(i)

@@ -48,16 +48,16 @@ class Forest:
     """The union of one execution's selected paths in DFS order; M nodes.
 
     node: int32[M] tree node ids; depth/leave/parent: int32[M] (parent as a DFS index, -1 root);
-    adv_pos/adv_neg/w: float64[M] summed over the selected paths through each trainable node.
+    w: float64[M] sum of c_p over the selected paths through each trainable node (0 for
+    context); adv: the execution's advantage, so adv_pos = w * max(adv, 0), adv_neg likewise.
     """
 
     node: np.ndarray
     depth: np.ndarray
     leave: np.ndarray
     parent: np.ndarray
-    adv_pos: np.ndarray
-    adv_neg: np.ndarray
     w: np.ndarray
+    adv: float
 
 
 def _path_lcp(tree: Tree, p, q) -> int:
@@ -106,29 +106,29 @@ def build_forest(tree: Tree, calls: Sequence[int], coef: Sequence[float], adv: f
     node = np.concatenate(ranges).astype(np.int32)
     sizes = ends - np.asarray(lcp)
     off = np.concatenate([[0], np.cumsum(sizes)])
-    m = int(off[-1])
-    # leave: a node at depth d in piece k spans to the first later piece attaching at <= d
-    leave = np.empty(m, np.int64)
+    m, n_paths = int(off[-1]), len(order)
+    # A node at depth d of piece k lies on paths k..last-1, where piece `last` is the first later
+    # piece attaching at depth <= d; its subtree ends where that piece starts.
+    last = np.empty(m, np.int64)
     lcp_arr = np.asarray(lcp)
-    for k in range(len(order)):
-        depths = np.arange(lcp[k], ends[k])
+    for k in range(n_paths):
         later = -np.minimum.accumulate(lcp_arr[k + 1 :])
-        j = np.searchsorted(later, -depths, side="left")
-        leave[off[k] : off[k + 1]] = off[k + 1 + j]  # off[P] = m: no later piece
-    inv = np.full(tree.num_nodes, -1, np.int64)
-    inv[node] = np.arange(m)
-    par = tree.parent[node]
-    parent = np.where(par >= 0, inv[np.maximum(par, 0)], -1)
-    # weight of u = sum over paths whose leaf lies in [u, leave[u]) (prefix sums at the leaves)
-    leaf = off[1:] - 1
-    c = np.asarray(coef, np.float64)[order]
-    sums = {}
-    for name, val in (("adv_pos", c * max(adv, 0.0)), ("adv_neg", c * min(adv, 0.0)), ("w", c)):
-        cum = np.zeros(m + 1)
-        cum[leaf + 1] = val
-        cum = np.cumsum(cum)
-        sums[name] = (cum[leave] - cum[np.arange(m)]) * tree.trainable[node]
-    return Forest(node, tree.depth[node], leave.astype(np.int32), parent.astype(np.int32), **sums)
+        depths = np.arange(lcp[k], ends[k])
+        last[off[k] : off[k + 1]] = k + 1 + np.searchsorted(later, -depths, side="left")
+    first = np.repeat(np.arange(n_paths), sizes)
+    # parents: the previous node within a piece; a piece's first node hangs off the pieces
+    # still open on the previous path (a stack of pieces by start depth).
+    parent = np.arange(-1, m - 1, dtype=np.int32)
+    stack = []
+    for k in range(n_paths):
+        while stack and lcp[stack[-1]] > lcp[k] - 1:
+            stack.pop()
+        parent[off[k]] = off[stack[-1]] + lcp[k] - 1 - lcp[stack[-1]] if lcp[k] else -1
+        stack.append(k)
+    # w of a node = sum of c_p over the paths through it (the paths of one execution share A)
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(coef, np.float64)[order])])
+    w = (cum[last] - cum[first]) * tree.trainable[node]
+    return Forest(node, tree.depth[node], off[last].astype(np.int32), parent, w, float(adv))
 
 
 def split_forest(forest: Forest, row_len: int) -> list[tuple[int, int, np.ndarray]]:
@@ -177,39 +177,29 @@ def _empty(n_rows: int, row_len: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _place(segments: list[dict], row_len: int, buckets: Sequence[int]) -> PackedBatch:
-    """Bins segments (dicts of local arrays; leave/pred local) into rows, first-fit decreasing."""
-    sizes = np.asarray([s["tokens"].size for s in segments], np.int64)
+def _bin(sizes: list[int], row_len: int) -> tuple[list[tuple[int, int]], int]:
+    """First-fit decreasing: (row, offset) of each segment, and the number of rows used."""
     free = np.zeros(0, np.int64)
-    where = []
-    for i in np.argsort(-sizes, kind="stable"):
+    where = [(0, 0)] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         fits = np.flatnonzero(free >= sizes[i])
-        if fits.size:
-            r = int(fits[0])
-        else:
-            r, free = free.size, np.append(free, row_len)
-        where.append((i, r, int(row_len - free[r])))
+        r = int(fits[0]) if fits.size else free.size
+        if r == free.size:
+            free = np.append(free, row_len)
+        where[i] = (r, int(row_len - free[r]))
         free[r] -= sizes[i]
-    out = _empty(rows_for(max(free.size, 1), buckets), row_len)
-    for i, r, o in where:
-        seg, n = segments[i], int(sizes[i])
-        for f, v in seg.items():
-            out[f][r, o : o + n] = v
-        out["leave"][r, o : o + n] += o
-        pred = out["pred"][r, o : o + n]
-        pred[pred >= 0] += o
-    return PackedBatch(**out)
+    return where, max(free.size, 1)
 
 
-def _gather(tree: Tree, nodes: np.ndarray, exec_index: int) -> dict[str, np.ndarray]:
-    return dict(
-        tokens=tree.tokens[nodes],
-        pos=tree.depth[nodes],
-        old_logp=tree.logp[nodes],
-        versions=tree.version[nodes],
-        exec_index=np.full(nodes.size, exec_index, np.int32),
-        node_index=nodes,
-    )
+def _write_tokens(out, r: int, o: int, tree: Tree, nodes: np.ndarray, e: int) -> slice:
+    cols = slice(o, o + nodes.size)
+    out["tokens"][r, cols] = tree.tokens[nodes]
+    out["pos"][r, cols] = tree.depth[nodes]
+    out["old_logp"][r, cols] = tree.logp[nodes]
+    out["versions"][r, cols] = tree.version[nodes]
+    out["exec_index"][r, cols] = e
+    out["node_index"][r, cols] = nodes
+    return cols
 
 
 def pack(
@@ -222,21 +212,31 @@ def pack(
 ) -> PackedBatch:
     """Tree packing. kept[e]: selected call indices of trees[e]; coefs[e]: their c_p;
     advantages[e]: A of execution e. Returns [rows_for(n, buckets), row_len] arrays."""
-    segments = []
+    chunks = []  # (execution, forest, a, b, ancestors of a)
     for e, tree in enumerate(trees):
         forest = build_forest(tree, kept[e], coefs[e], advantages[e])
-        for a, b, anc in split_forest(forest, row_len):
-            idx = np.concatenate([anc, np.arange(a, b)])
-            d, par = anc.size, forest.parent[idx]
-            seg = _gather(tree, forest.node[idx], e)
-            seg["leave"] = d + np.minimum(forest.leave[idx], b) - a
-            seg["pred"] = np.where(
-                par < 0, -1, np.where(par >= a, d + par - a, forest.depth[np.maximum(par, 0)])
-            )
-            for f in ("adv_pos", "adv_neg", "w"):
-                seg[f] = np.concatenate([np.zeros(d), getattr(forest, f)[a:b]])
-            segments.append(seg)
-    return _place(segments, row_len, buckets)
+        chunks += [(e, forest, a, b, anc) for a, b, anc in split_forest(forest, row_len)]
+    where, n_rows = _bin([anc.size + b - a for _, _, a, b, anc in chunks], row_len)
+    out = _empty(rows_for(n_rows, buckets), row_len)
+    for (e, forest, a, b, anc), (r, o) in zip(chunks, where):
+        d = anc.size
+        if d:  # repeated ancestors: a chain of zero-weight context
+            cols = _write_tokens(out, r, o, trees[e], forest.node[anc], e)
+            out["leave"][r, cols] = o + d + np.minimum(forest.leave[anc], b) - a
+            out["pred"][r, cols] = np.arange(o - 1, o + d - 1)
+            out["pred"][r, o] = -1
+        cols = _write_tokens(out, r, o + d, trees[e], forest.node[a:b], e)
+        out["leave"][r, cols] = o + d + np.minimum(forest.leave[a:b], b) - a
+        par = forest.parent[a:b]
+        inside = np.where(par >= a, o + d + par - a, o + forest.depth[np.maximum(par, 0)])
+        out["pred"][r, cols] = np.where(par < 0, -1, inside)
+        w = forest.w[a:b]
+        out["w"][r, cols] = w
+        if forest.adv > 0:
+            out["adv_pos"][r, cols] = w * forest.adv
+        elif forest.adv < 0:
+            out["adv_neg"][r, cols] = w * forest.adv
+    return PackedBatch(**out)
 
 
 def flatten(
@@ -248,22 +248,24 @@ def flatten(
     buckets: Sequence[int] = (1,),
 ) -> PackedBatch:
     """Reference / flat ablation: each selected path as its own causal segment."""
-    segments = []
-    for e, tree in enumerate(trees):
-        for call, c in zip(kept[e], coefs[e]):
-            nodes = tree.path_nodes(call)
-            n = nodes.size
-            if n > row_len:
-                raise ValueError(f"a path of {n} tokens exceeds row_len {row_len}")
-            seg = _gather(tree, nodes, e)
-            seg["leave"] = np.full(n, n, np.int32)
-            seg["pred"] = np.arange(-1, n - 1, dtype=np.int32)
-            cw = c * tree.trainable[nodes]
-            seg.update(
-                adv_pos=cw * max(advantages[e], 0.0), adv_neg=cw * min(advantages[e], 0.0), w=cw
-            )
-            segments.append(seg)
-    return _place(segments, row_len, buckets)
+    paths = [(e, call, c) for e in range(len(trees)) for call, c in zip(kept[e], coefs[e])]
+    sizes = [int(trees[e].depth[trees[e].call_end[call]]) + 1 for e, call, _ in paths]
+    if max(sizes, default=0) > row_len:
+        raise ValueError(f"a path of {max(sizes)} tokens exceeds row_len {row_len}")
+    where, n_rows = _bin(sizes, row_len)
+    out = _empty(rows_for(n_rows, buckets), row_len)
+    for (e, call, c), (r, o) in zip(paths, where):
+        nodes = trees[e].path_nodes(call)
+        cols = _write_tokens(out, r, o, trees[e], nodes, e)
+        out["leave"][r, cols] = o + nodes.size
+        out["pred"][r, cols] = np.arange(o - 1, o + nodes.size - 1)
+        out["pred"][r, o] = -1
+        cw = c * trees[e].trainable[nodes]
+        a = float(advantages[e])
+        out["adv_pos"][r, cols] = cw * max(a, 0.0)
+        out["adv_neg"][r, cols] = cw * min(a, 0.0)
+        out["w"][r, cols] = cw
+    return PackedBatch(**out)
 
 
 def ancestors_from_leave(leave_T: np.ndarray) -> np.ndarray:

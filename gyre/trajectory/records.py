@@ -56,16 +56,22 @@ def _fail(rec: CallRecord, field: str, problem: str) -> None:
     )
 
 
-def validate_record(rec: CallRecord, vocab_size: int) -> None:
-    """Checks one record in isolation (parent ids are checked by validate_execution)."""
+def validate_record(rec: CallRecord, vocab_size: int, check_prompt_ids: bool = True) -> None:
+    """Checks one record in isolation (parent ids are checked by validate_execution).
+
+    check_prompt_ids=False skips the id range scan of the prompt (the dominant cost, since
+    prompts repeat earlier tokens); the tree builder then checks the unique tokens instead.
+    """
     for field in ("prompt", "completion", "logprobs", "versions"):
         arr = getattr(rec, field)
         if not isinstance(arr, np.ndarray) or arr.ndim != 1:
             _fail(rec, field, f"must be a 1-D numpy array, got {type(arr).__name__}")
     for field in ("prompt", "completion"):
         ids = getattr(rec, field)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        if ids.size and ids.dtype.kind not in "iu":
             _fail(rec, field, f"must hold integer token ids, got dtype {ids.dtype}")
+        if field == "prompt" and not check_prompt_ids:
+            continue
         if ids.size and ids.min() < 0:
             _fail(rec, field, f"holds a negative token id ({int(ids.min())})")
         if ids.size and ids.max() >= vocab_size:
@@ -90,13 +96,41 @@ def validate_record(rec: CallRecord, vocab_size: int) -> None:
         _fail(rec, "end_reason", f"is {rec.end_reason!r}, not one of {END_REASONS}")
 
 
-def validate_execution(records: list[CallRecord], vocab_size: int) -> None:
-    """Checks every record of one execution, unique call ids and that parents exist."""
+def _structure(rec: CallRecord) -> None:
+    """The cheap per-record checks (no scan over token values)."""
+    for field in ("prompt", "completion", "logprobs", "versions"):
+        arr = getattr(rec, field)
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1:
+            _fail(rec, field, f"must be a 1-D numpy array, got {type(arr).__name__}")
+    for field in ("prompt", "completion"):
+        ids = getattr(rec, field)
+        if ids.size and ids.dtype.kind not in "iu":
+            _fail(rec, field, f"must hold integer token ids, got dtype {ids.dtype}")
+    n = rec.completion.size
+    if n == 0:
+        _fail(rec, "completion", "is empty")
+    for field in ("logprobs", "versions"):
+        if getattr(rec, field).size != n:
+            _fail(rec, field, f"has length {getattr(rec, field).size} but completion has {n}")
+    if rec.role not in ROLES:
+        _fail(rec, "role", f"is {rec.role!r}, not one of {ROLES}")
+    if rec.end_reason not in END_REASONS:
+        _fail(rec, "end_reason", f"is {rec.end_reason!r}, not one of {END_REASONS}")
+
+
+def validate_execution(
+    records: list[CallRecord], vocab_size: int, check_prompt_ids: bool = True
+) -> None:
+    """Checks every record of one execution, unique call ids and that parents exist.
+
+    Value checks run once over all completions (and prompts) together; only when they fail
+    are the records checked one by one, to name the offending call.
+    """
     if not records:
         raise RecordError("execution has no call records")
     ids = set()
     for rec in records:
-        validate_record(rec, vocab_size)
+        _structure(rec)
         if rec.execution_id != records[0].execution_id:
             _fail(rec, "execution_id", f"differs from the execution's {records[0].execution_id!r}")
         if rec.call_id in ids:
@@ -105,6 +139,14 @@ def validate_execution(records: list[CallRecord], vocab_size: int) -> None:
     for rec in records:
         if rec.parent_id is not None and rec.parent_id not in ids:
             _fail(rec, "parent_id", f"names call {rec.parent_id}, which does not exist")
+    tokens = [rec.completion for rec in records]
+    if check_prompt_ids:
+        tokens += [rec.prompt for rec in records if rec.prompt.size]
+    tokens = np.concatenate(tokens)
+    logp = np.concatenate([rec.logprobs for rec in records])
+    if tokens.min() < 0 or tokens.max() >= vocab_size or not np.all(logp <= 1e-4):
+        for rec in records:  # not all(<=) also catches NaN
+            validate_record(rec, vocab_size, check_prompt_ids)
 
 
 def make_record(prompt, completion, logprobs=None, versions=None, **kw) -> CallRecord:
