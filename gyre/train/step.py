@@ -1,0 +1,338 @@
+"""Per-cell gradient programs, a shared micro-batch queue, and the optimizer on the core cell.
+
+API for the controller::
+
+    trainer = Trainer(cfg, cells, graphdef, params)      # params: any layout; cells[0] = core
+    mbs = split_microbatches(packed_batch, cfg.train.rows_per_microbatch)
+    queue = MicrobatchQueue(mbs)                          # one optimizer step's micro-batches
+    while (mb := queue.get()) is not None:                # any train cell may take the next one
+        results.append(trainer.compute_grads(cell, mb))   # -> GradResult (grads on `cell`)
+    out = trainer.apply_step(results)                     # sum on core, update -> StepOutcome
+    trainer.version                                       # authoritative weight version (int)
+    trainer.params_for(cell, "rollout")                   # weights moved to a cell's layout
+    trainer.train_step(cells, packed_batch)               # all of the above, round-robin
+    trainer.save(checkpointer); Trainer.restore(cfg, cells, graphdef, checkpointer)
+
+Each cell gets its own jit program (its own shardings: parameters in the 'train' layout,
+batch rows over 'data'), compiled once per shape bucket; the batch buffers are donated.
+Gradients of other cells cross to the core with ``gyre.mesh.move`` only: arrays of two cells
+never meet inside one program. The core alone holds the optimizer state. A non-finite loss or
+gradient skips the update (logged with the batch's execution ids); ``cfg.train.max_bad_steps``
+skipped steps in a row raise :class:`TrainingDiverged`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gyre import mesh as gmesh
+from gyre.model import decoder
+from gyre.train import loss as tloss
+from gyre.train import optimizer as topt
+
+log = logging.getLogger(__name__)
+# CPU cannot reuse donated int/float batch buffers for the gradient outputs; harmless.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+OBJECTIVES = ("ppo", "sft")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """Host numpy arrays (TRAIN_FIELDS, each [R, T]) and the execution ids they hold."""
+
+    arrays: dict
+    exec_ids: list
+    index: int = 0
+
+
+@dataclasses.dataclass
+class GradResult:
+    grads: object  # parameter-shaped pytree on the computing cell
+    metrics: dict  # device scalars (sums over the micro-batch)
+    cell_index: int
+    exec_ids: list
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    applied: bool
+    version: int
+    step: int
+    metrics: dict  # host floats: combined sums and step means, grad_norm
+    exec_ids: list
+
+
+def _field(batch, name):
+    return batch[name] if isinstance(batch, dict) else getattr(batch, name)
+
+
+def _pad_row(t: int) -> dict:
+    """One padding row: isolated one-token roots with zero weight."""
+    idx = np.arange(t, dtype=np.int32)
+    row = {name: np.zeros(t, np.float32) for name in ("old_logp", "adv_pos", "adv_neg", "w")}
+    row.update(tokens=np.zeros(t, np.int32), pos=np.zeros(t, np.int32), leave=idx + 1)
+    row.update(pred=np.full(t, -1, np.int32), versions=np.full(t, -1, np.int32))
+    return row
+
+
+def split_microbatches(batch, rows: int) -> list[Microbatch]:
+    """Cuts a packed batch ([R, T] fields) into micro-batches of ``rows`` rows; the last one is
+    filled with padding rows so every micro-batch has the same shape (one compile)."""
+    if rows < 1:
+        raise ValueError(f"train.rows_per_microbatch must be >= 1, got {rows}")
+    arrays = {name: np.asarray(_field(batch, name)) for name in tloss.TRAIN_FIELDS}
+    r, t = arrays["tokens"].shape
+    ids = list(np.asarray(getattr(batch, "exec_ids", None) or [], dtype=object).reshape(-1))
+    per_row = len(ids) == r
+    out = []
+    for i, start in enumerate(range(0, r, rows)):
+        part = {k: v[start : start + rows] for k, v in arrays.items()}
+        missing = rows - part["tokens"].shape[0]
+        if missing:
+            pad = _pad_row(t)
+            part = {k: np.concatenate([v, np.stack([pad[k]] * missing).astype(v.dtype)])
+                    for k, v in part.items()}  # fmt: skip
+        mb_ids = (
+            sorted(set(map(str, ids[start : start + rows]))) if per_row else list(map(str, ids))
+        )
+        out.append(Microbatch(part, mb_ids, i))
+    return out
+
+
+class MicrobatchQueue:
+    """Thread-safe queue of one optimizer step's micro-batches; faster cells take more."""
+
+    def __init__(self, microbatches):
+        self._items = collections.deque(microbatches)
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def get(self) -> Microbatch | None:
+        with self._lock:
+            if not self._items:
+                return None
+            self.taken += 1
+            return self._items.popleft()
+
+    def __len__(self):
+        return len(self._items)
+
+
+def _tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+class Trainer:
+    """Gradient programs on any train cell, optimizer state and authoritative weights on the
+    core cell (``cells[0]``). ``objective`` is 'ppo' (policy loss) or 'sft' (cross-entropy)."""
+
+    def __init__(self, cfg, cells, graphdef, params, *, objective: str = "ppo",
+                 ref_params=None, opt_state=None, step: int = 0, version: int = 0, rng=None,
+                 schedule: str = "constant", decay_steps: int = 0):  # fmt: skip
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if not cells:
+            raise ValueError("Trainer needs at least one cell (cells[0] is the core)")
+        self.cfg, self.graphdef, self.objective = cfg, graphdef, objective
+        self.core = cells[0]
+        self.trace_counts = collections.Counter()
+        self._programs, self._param_sh, self._copies = {}, {}, {}
+        self.loss_cfg = tloss.LossConfig.from_config(cfg)
+        self.tx = topt.make_optimizer(cfg.train, schedule, decay_steps)
+        self.params = gmesh.move(params, self.param_shardings(self.core))
+        self.use_ref = objective == "ppo" and self.loss_cfg.kl_coef > 0
+        if self.use_ref and ref_params is None:
+            raise ValueError("train.kl_coef > 0 needs ref_params (the reference policy)")
+        self._ref_host = ref_params if self.use_ref else None
+        self._ref = {}
+        opt_sh = topt.state_shardings(self.tx, self.params, self.param_shardings(self.core),
+                                      self.core.mesh)  # fmt: skip
+        if opt_state is None:
+            opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(self.params)
+        self.opt_state = gmesh.move(opt_state, opt_sh)
+        self.step, self.version, self.bad_steps = int(step), int(version), 0
+        self.rng = jax.random.key(cfg.seed) if rng is None else rng
+        self.microbatches_done = 0  # queue position: micro-batches consumed over the run
+        self._add = jax.jit(_tree_add, donate_argnums=(0,))
+        self._update = jax.jit(self._update_fn, donate_argnums=(1, 2))
+
+    # ------------------------------------------------------------------ layouts and weights
+
+    def param_shardings(self, cell, role: str = "train"):
+        key = (cell.mesh, role)
+        if key not in self._param_sh:
+            self._param_sh[key] = decoder.state_shardings(self.cfg.model, cell, role)
+        return self._param_sh[key]
+
+    def params_for(self, cell, role: str = "train"):
+        """The current weights laid out for ``role`` on ``cell`` (cached per version)."""
+        if cell.mesh == self.core.mesh and role == "train":
+            return self.params
+        key = (cell.mesh, role)
+        version, tree = self._copies.get(key, (None, None))
+        if version != self.version:
+            tree = gmesh.move(self.params, self.param_shardings(cell, role))
+            self._copies[key] = (self.version, tree)
+        return tree
+
+    def _ref_for(self, cell):
+        if not self.use_ref:
+            return None
+        if cell.mesh not in self._ref:
+            self._ref[cell.mesh] = gmesh.move(self._ref_host, self.param_shardings(cell))
+        return self._ref[cell.mesh]
+
+    # ------------------------------------------------------------------ gradient program
+
+    def _objective(self, params, ref_params, batch, version_now, cell_index):
+        self.trace_counts[cell_index] += 1  # runs at trace time only: counts compiles
+        tokens, pred = batch["tokens"], batch["pred"]
+
+        def logprobs(p):
+            model = nnx.merge(self.graphdef, p)
+            hidden = model(tokens, batch["pos"], batch["leave"])
+            return tloss.token_logprobs(model.logits(hidden), tokens, pred)
+
+        def loss_of(p):
+            logp, ent = logprobs(p)
+            if self.objective == "sft":
+                return tloss.sft_loss(logp, ent, batch)
+            ref = jax.lax.stop_gradient(logprobs(ref_params)[0]) if self.use_ref else None
+            return tloss.policy_loss(logp, ent, batch, self.loss_cfg, version_now, ref)
+
+        (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return grads, metrics
+
+    def _program(self, cell):
+        key = cell.mesh
+        if key not in self._programs:
+            p_sh = self.param_shardings(cell)
+            rows = NamedSharding(cell.mesh, PartitionSpec("data", None))
+            rep = NamedSharding(cell.mesh, PartitionSpec())
+            b_sh = {name: rows for name in tloss.TRAIN_FIELDS}
+            ref_sh = p_sh if self.use_ref else None
+
+            def fn(params, ref_params, batch, version_now):
+                return self._objective(params, ref_params, batch, version_now, cell.index)
+
+            self._programs[key] = jax.jit(
+                fn,
+                in_shardings=(p_sh, ref_sh, b_sh, rep),
+                out_shardings=(p_sh, rep),
+                donate_argnums=(2,),
+            )
+        return self._programs[key]
+
+    def compute_grads(self, cell, mb: Microbatch) -> GradResult:
+        """Gradient (on ``cell``, 'train' layout) and metric sums of one micro-batch."""
+        rows = mb.arrays["tokens"].shape[0]
+        data = cell.mesh.shape["data"]
+        if rows % data:
+            raise ValueError(
+                f"micro-batch has {rows} rows, not divisible by the {data} data shards of cell "
+                f"{cell.index}; set train.rows_per_microbatch to a multiple of {data}"
+            )
+        rows_sh = NamedSharding(cell.mesh, PartitionSpec("data", None))
+        batch = {k: jax.device_put(np.asarray(mb.arrays[k]), rows_sh) for k in tloss.TRAIN_FIELDS}
+        version = jax.device_put(np.int32(self.version), NamedSharding(cell.mesh, PartitionSpec()))
+        grads, metrics = self._program(cell)(
+            self.params_for(cell), self._ref_for(cell), batch, version
+        )
+        self.microbatches_done += 1
+        return GradResult(grads, metrics, cell.index, list(mb.exec_ids))
+
+    # ------------------------------------------------------------------ update on the core
+
+    def _update_fn(self, params, opt_state, grads, loss_ok):
+        """AdamW update, kept only if the loss and the gradient are finite."""
+        grad_norm = jnp.sqrt(
+            sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(grads))
+        )
+        ok = loss_ok & jnp.isfinite(grad_norm)
+        updates, new_opt = self.tx.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        return keep(new_params, params), keep(new_opt, opt_state), ok, grad_norm
+
+    def sum_grads(self, results: list[GradResult]):
+        """Sum of all micro-batch gradients, on the core cell."""
+        if not results:
+            raise ValueError("apply_step got no gradients")
+        core_sh = self.param_shardings(self.core)
+        total = None
+        for res in results:
+            g = gmesh.move(res.grads, core_sh)  # a no-op for the core's own gradients
+            total = g if total is None else self._add(total, g)
+        return total
+
+    def apply_step(self, results: list[GradResult]) -> StepOutcome:
+        """Sums the gradients onto the core and applies one optimizer update (or skips it)."""
+        grads = self.sum_grads(results)
+        metrics = tloss.combine_metrics([jax.device_get(r.metrics) for r in results])
+        exec_ids = sorted({i for r in results for i in r.exec_ids})
+        loss_ok = bool(np.isfinite(metrics["loss"]))
+        params, opt_state, ok, grad_norm = self._update(self.params, self.opt_state, grads,
+                                                        jnp.asarray(loss_ok))  # fmt: skip
+        self.params, self.opt_state = params, opt_state
+        metrics["grad_norm"] = float(grad_norm)
+        self.step += 1
+        if bool(ok):
+            self.version += 1
+            self.bad_steps = 0
+            return StepOutcome(True, self.version, self.step, metrics, exec_ids)
+        self.bad_steps += 1
+        log.warning(
+            "step %d skipped: non-finite %s (loss=%s grad_norm=%s); executions %s",
+            self.step, "loss" if not loss_ok else "gradient", metrics["loss"], metrics["grad_norm"],
+            exec_ids,
+        )  # fmt: skip
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            raise TrainingDiverged(
+                f"{self.bad_steps} optimizer steps in a row had a non-finite loss or gradient "
+                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); last executions "
+                f"{exec_ids}; weights kept at version {self.version}"
+            )
+        return StepOutcome(False, self.version, self.step, metrics, exec_ids)
+
+    def train_step(self, cells, batch) -> StepOutcome:
+        """One optimizer step over ``batch`` (packed), micro-batches dealt round-robin to cells."""
+        queue = MicrobatchQueue(split_microbatches(batch, self.cfg.train.rows_per_microbatch))
+        results, i = [], 0
+        while (mb := queue.get()) is not None:
+            results.append(self.compute_grads(cells[i % len(cells)], mb))
+            i += 1
+        return self.apply_step(results)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, checkpointer, metadata: dict | None = None, wait: bool = False):
+        """Asynchronous save of params, optimizer state, counters, RNG and queue position."""
+        from gyre.train import checkpoint
+
+        checkpoint.save_trainer(checkpointer, self, metadata or {}, wait=wait)
+
+    @classmethod
+    def restore(cls, cfg, cells, graphdef, checkpointer, step: int | None = None, **kw):
+        """A Trainer whose state comes from a checkpoint, laid out on ``cells`` (any count or
+        cell size). Returns (trainer, metadata)."""
+        from gyre.train import checkpoint
+
+        return checkpoint.restore_trainer(cls, cfg, cells, graphdef, checkpointer, step, **kw)
