@@ -1,0 +1,232 @@
+"""Model-call proxy: routes requests to rollout cells and hands live requests over.
+
+``await proxy.generate(request)`` is the harness's only entry point. Requests wait in the proxy
+until a rollout cell has a free slot; the cell is chosen by load (most free slots, lowest
+index on ties), except that a call goes back to the cell that served its execution last when
+that cell has room, so multi-turn prompts hit that cell's cached prefix.
+
+``release(cell, mode)`` (the controller, at a step boundary) takes a cell out of rollout and
+hands every live request on it to the other rollout cells:
+
+- 'migrate': KV rows, length, sampler state (the request identity) and pending token move
+  with ``device_put`` into a free slot of another cell; generation continues bit-exactly.
+- 'retry': the request is cancelled and re-submitted from its exact token record (prompt +
+  tokens generated so far, same execution/call ids, so sampling keys line up); the new
+  prefill recomputes that KV. The response concatenates both parts.
+
+A request that cannot migrate (no free slot anywhere, or no rollout cell left) falls back to
+the retry path and waits in the proxy; ``admit(cell)`` brings a cell back. Nothing is lost:
+the caller sees one uninterrupted completion. Bad input raises ValueError in the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+
+from gyre.rollout.engine import Engine, validate_request
+from gyre.rollout.types import GenerateRequest, GenerateResponse
+
+MODES = ("migrate", "retry")
+
+
+@dataclasses.dataclass
+class Call:
+    """One awaited model call and the completion carried over from cancelled attempts."""
+
+    rid: int
+    request: GenerateRequest  # as the caller sent it
+    future: asyncio.Future
+    current: GenerateRequest  # what the engine runs now (a continuation after a retry)
+    cell: int | None = None
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+
+
+class Proxy:
+    """Routes calls over the engines of the rollout cells. Drive it with run() or pump()."""
+
+    def __init__(self, engines: list[Engine]):
+        if not engines:
+            raise ValueError("proxy needs at least one engine")
+        self.engines = {e.cell.index: e for e in engines}
+        self.rollout = set(self.engines)
+        first = engines[0]
+        self.vocab_size, self.max_len = first.vocab_size, first.max_len
+        self.calls: dict[int, Call] = {}
+        self.waiting: collections.deque[int] = collections.deque()
+        self.affinity: dict[str, int] = {}
+        self.stats = collections.Counter()
+        self.latest_weights = None
+        self._rids = itertools.count()
+        self._wake: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ caller side
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """One model call; raises ValueError (naming the request) for unusable input."""
+        validate_request(request, self.vocab_size, self.max_len)
+        rid = next(self._rids)
+        future = asyncio.get_running_loop().create_future()
+        self.calls[rid] = Call(rid, request, future, request)
+        self.waiting.append(rid)
+        self._dispatch()
+        self._notify()
+        return await future
+
+    # ------------------------------------------------------------------ driving
+
+    def pump(self) -> int:
+        """Dispatches waiting calls and steps every rollout engine once -> calls finished."""
+        self._drop_cancelled()
+        self._dispatch()
+        finished = 0
+        for index in sorted(self.rollout):
+            engine = self.engines[index]
+            if engine.num_live:
+                for rid, response in engine.step():
+                    self._finish(rid, response)
+                    finished += 1
+        self._dispatch()
+        return finished
+
+    def busy(self) -> bool:
+        """True while some rollout engine has live work (pump would make progress)."""
+        return any(self.engines[i].num_live for i in self.rollout)
+
+    async def run(self) -> None:
+        """Steps engines while there is work; sleeps on an event otherwise. Cancel to stop."""
+        self._wake = asyncio.Event()
+        while True:
+            if self.busy():
+                self.pump()
+                await asyncio.sleep(0)  # let callers consume results and submit
+            else:
+                self._wake.clear()
+                self._dispatch()
+                if not self.busy():
+                    await self._wake.wait()
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ routing
+
+    def _pick(self, call: Call, exclude: int | None = None) -> int | None:
+        free = {i: self.engines[i].free_slots() for i in self.rollout if i != exclude}
+        free = {i: n for i, n in free.items() if n > 0}
+        if not free:
+            return None
+        sticky = self.affinity.get(call.request.execution_id)
+        if sticky in free:
+            return sticky
+        return max(free, key=lambda i: (free[i], -i))
+
+    def _dispatch(self) -> None:
+        while self.waiting:
+            call = self.calls[self.waiting[0]]
+            target = self._pick(call)
+            if target is None:
+                return
+            self.waiting.popleft()
+            self.engines[target].submit(call.current, call.rid)
+            call.cell = target
+            self.affinity[call.request.execution_id] = target
+
+    def _finish(self, rid: int, response: GenerateResponse) -> None:
+        call = self.calls.pop(rid)
+        full = GenerateResponse(
+            np.concatenate([np.asarray(call.tokens, np.int32), response.tokens]),
+            np.concatenate([np.asarray(call.logprobs, np.float32), response.logprobs]),
+            np.concatenate([np.asarray(call.versions, np.int32), response.versions]),
+            response.finish_reason,
+        )
+        self.stats["finished"] += 1
+        if not call.future.done():
+            call.future.set_result(full)
+
+    def _drop_cancelled(self) -> None:
+        """Calls whose caller gave up (asyncio cancellation) leave their engine."""
+        for rid, call in list(self.calls.items()):
+            if call.future.cancelled():
+                if call.cell is not None:
+                    self.engines[call.cell].cancel(rid)
+                elif rid in self.waiting:
+                    self.waiting.remove(rid)
+                del self.calls[rid]
+
+    # ------------------------------------------------------------------ hand-over
+
+    def _requeue(self, call: Call, live) -> None:
+        """Retry path: carry the tokens so far and continue from the exact token record."""
+        call.tokens += live.tokens
+        call.logprobs += live.logprobs
+        call.versions += live.versions
+        req = call.request
+        done = len(call.tokens)
+        call.current = dataclasses.replace(
+            req,
+            prompt=np.concatenate(
+                [np.asarray(req.prompt, np.int32), np.asarray(call.tokens, np.int32)]
+            ),
+            max_new_tokens=req.max_new_tokens - done,
+        )
+        call.cell = None
+        self.waiting.appendleft(call.rid)
+
+    def release(self, cell_index: int, mode: str = "migrate") -> dict:
+        """Takes a cell out of rollout, handing each live request over -> counts by path."""
+        if mode not in MODES:
+            raise ValueError(f"release mode must be one of {MODES}, got {mode!r}")
+        if cell_index not in self.rollout:
+            raise ValueError(f"cell {cell_index} is not serving rollout")
+        self.rollout.discard(cell_index)
+        engine = self.engines[cell_index]
+        counts = collections.Counter()
+        for rid in reversed(engine.live_ids()):  # reversed: appendleft keeps the original order
+            call = self.calls[rid]
+            exp = engine.export(rid)
+            target = self._pick(call) if mode == "migrate" and exp.rows is not None else None
+            if target is not None:
+                self.engines[target].import_(exp)
+                call.cell = target
+                self.affinity[call.request.execution_id] = target
+                counts["migrated"] += 1
+            else:
+                self._requeue(call, exp.live)
+                counts["retried" if exp.rows is not None else "requeued"] += 1
+        engine.suspend()
+        self.stats.update(counts)
+        self._dispatch()
+        self._notify()
+        return dict(counts)
+
+    def admit(self, cell_index: int, state=None, version: int | None = None) -> None:
+        """Brings a cell (back) into rollout with the given or the latest published weights."""
+        if cell_index not in self.engines:
+            raise ValueError(f"unknown cell {cell_index}; known: {sorted(self.engines)}")
+        if cell_index in self.rollout:
+            return
+        if state is None and self.latest_weights is not None:
+            state, version = self.latest_weights
+        self.engines[cell_index].resume(state, version)
+        self.rollout.add(cell_index)
+        self._dispatch()
+        self._notify()
+
+    def set_weights(self, state, version: int) -> None:
+        """Publishes a new weight version to every rollout cell (between steps)."""
+        self.latest_weights = (state, version)
+        for index in self.rollout:
+            self.engines[index].set_weights(state, version)
+
+    def prefix_hit_rate(self) -> float:
+        reused = sum(e.stats["reused_tokens"] for e in self.engines.values())
+        total = sum(e.stats["prompt_tokens"] for e in self.engines.values())
+        return reused / max(1, total)
