@@ -73,6 +73,23 @@ def group_advantages(
     return adv_E
 
 
+def normaliser_count(trainable_lens: Sequence[np.ndarray], mode: str) -> float:
+    """The count the loss mode divides by: trainable tokens (token-mean), paths with trainable
+    tokens (sequence-mean) or executions with trainable tokens (two-level).
+
+    Coefficients of a part of a step scale by part_count / step_count to become the step's,
+    which is how the controller trains groups as they finish yet normalises over the step.
+    """
+    if mode not in LOSS_MODES:
+        raise ValueError(f"loss mode must be one of {LOSS_MODES}, got {mode!r}")
+    lens = [np.asarray(n, np.float64) for n in trainable_lens]
+    if mode == "token-mean":
+        return float(sum(n.sum() for n in lens))
+    if mode == "sequence-mean":
+        return float(sum((n > 0).sum() for n in lens))
+    return float(sum(n.sum() > 0 for n in lens))
+
+
 def path_coefficients(trainable_lens: Sequence[np.ndarray], mode: str) -> list[np.ndarray]:
     """Per execution e, float64[P_e]: c_p of each selected path (see the module docstring).
 

@@ -12,7 +12,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gyre.trajectory.advantages import execution_score, group_advantages, path_coefficients
+from gyre.trajectory.advantages import (
+    execution_score,
+    group_advantages,
+    normaliser_count,
+    path_coefficients,
+)
 from gyre.trajectory.pack import PackedBatch, flatten, pack, union_size
 from gyre.trajectory.records import CallRecord, RecordError, validate_execution
 from gyre.trajectory.select import select_paths
@@ -42,6 +47,7 @@ class BatchReport:
     unique_tokens: int  # nodes of the selected paths' union, summed over executions
     flat_tokens: int  # tokens of the selected paths trained flat
     padding: float  # fraction of row positions that are padding
+    normaliser: float = 0.0  # what the loss mode divided by (see normaliser_count)
 
 
 def _trees(results, vocab_size: int, max_paths: int, row_len: int, reward: str):
@@ -102,5 +108,6 @@ def build_batch(
             int(sum(tr.depth[tr.call_end[c]] + 1 for c in cs)) for tr, cs in zip(trees, calls)
         ),
         padding=float((batch.exec_index < 0).mean()),
+        normaliser=normaliser_count(lens, t.loss_mode),
     )
     return batch, report
