@@ -1,0 +1,300 @@
+"""Qwen3-style decoder in flax.nnx, tree-capable, with a slot KV cache for rollout.
+
+Architecture as HF transformers' Qwen3: pre-norm blocks, RMSNorm (fp32 statistics), GQA
+attention with per-head RMSNorm on q and k before RoPE (rotate-half convention), no biases,
+SwiGLU MLP, final norm, tied or untied lm_head.
+
+Layer parameters are stacked along a leading 'layers' axis and run with ``jax.lax.scan``, so
+compile time does not grow with depth. Every parameter carries a ``logical_axes`` metadata
+tuple (names from ``gyre.mesh.RULES``); :func:`param_logical_axes` collects them.
+Parameters are float32; activations use ``cfg.dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gyre import mesh as gmesh
+from gyre.model import attention
+
+# Logical axes of every parameter, by name. Layer parameters get a leading 'layers' axis.
+LAYER_AXES = {
+    "attn_norm": ("embed",),
+    "q": ("embed", "heads", "head_dim"),
+    "k": ("embed", "kv_heads", "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"),
+    "o": ("heads", "head_dim", "embed"),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "mlp_norm": ("embed",),
+    "gate": ("embed", "mlp"),
+    "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+def _dense_init(key, shape, fan_in):
+    return jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5
+
+
+class Layers(nnx.Module):
+    """All decoder blocks, each parameter stacked as [L, ...]."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        n, d, h, kvh, dh, f = (
+            cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
+        )  # fmt: skip
+        shapes = {
+            "attn_norm": (d,),
+            "q": (d, h, dh),
+            "k": (d, kvh, dh),
+            "v": (d, kvh, dh),
+            "o": (h, dh, d),
+            "q_norm": (dh,),
+            "k_norm": (dh,),
+            "mlp_norm": (d,),
+            "gate": (d, f),
+            "up": (d, f),
+            "down": (f, d),
+        }
+        fan_in = {"q": d, "k": d, "v": d, "o": h * dh, "gate": d, "up": d, "down": f}
+        for name, shape in shapes.items():
+            if name in fan_in:
+                value = _dense_init(rngs.params(), (n, *shape), fan_in[name])
+            else:  # norm scales start at one, as in HF
+                value = jnp.ones((n, *shape), jnp.float32)
+            setattr(self, name, nnx.Param(value, logical_axes=("layers", *LAYER_AXES[name])))
+
+
+def rms_norm(x, weight, eps):
+    """HF Qwen3RMSNorm: statistics in fp32, back to the input dtype, then times weight."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope(x_BxTxHxDh, pos_BxT, theta):
+    """Rotary embedding, rotate-half convention; angles computed in fp32 as HF does."""
+    dh = x_BxTxHxDh.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    freqs_BxTxF = pos_BxT.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x_BxTxHxDh.dtype), jnp.sin(emb).astype(x_BxTxHxDh.dtype)
+    x1, x2 = jnp.split(x_BxTxHxDh, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BxTxHxDh * cos + rotated * sin
+
+
+def _dense_cached_attention(q, k_cache, v_cache, q_index, kv_len):
+    """Fallback: query at cache index i sees cache entries j <= i (j < kv_len)."""
+    j = jnp.arange(k_cache.shape[1])
+    mask_BxTxM = (j[None, None, :] <= q_index[:, :, None]) & (
+        j[None, None, :] < kv_len[:, None, None]
+    )
+    return jax.nn.dot_product_attention(
+        q, k_cache, v_cache, mask=mask_BxTxM[:, None], implementation="xla"
+    )
+
+
+_cached_attention = getattr(attention, "cached_attention", _dense_cached_attention)
+
+
+def _qkv(p, x, pos, cfg, dtype):
+    """Pre-norm input -> q[B,T,H,Dh], k/v[B,T,KVH,Dh] with q/k norm and RoPE applied."""
+    h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dtype))
+    k = jnp.einsum("btd,dhk->bthk", h, p["k"].astype(dtype))
+    v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(dtype))
+    q = rope(rms_norm(q, p["q_norm"], cfg.rms_eps), pos, cfg.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_eps), pos, cfg.rope_theta)
+    return q, k, v
+
+
+def _finish_block(p, x, attn_BxTxHxDh, cfg, dtype):
+    """Output projection, residual, SwiGLU MLP, residual."""
+    x = x + jnp.einsum("bthk,hkd->btd", attn_BxTxHxDh, p["o"].astype(dtype))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+    gate = jax.nn.silu(h @ p["gate"].astype(dtype))
+    return x + (gate * (h @ p["up"].astype(dtype))) @ p["down"].astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Hashable copy of the model config (static data of the graphdef)."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_theta: float
+    rms_eps: float
+    tie_embeddings: bool
+    dtype: str
+    attention: str
+    attn_block: int
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelSpec:
+        if isinstance(cfg, cls):
+            return cfg
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in cfg]
+        if missing:
+            raise ValueError(f"model config lacks keys {missing}")
+        return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
+
+
+class Decoder(nnx.Module):
+    """Qwen3 decoder. ``cfg`` is the ``model`` section of gyre.config.default_config()."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        cfg = ModelSpec.from_config(cfg)
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({cfg.num_kv_heads}) must divide num_heads ({cfg.num_heads})"
+            )
+        self.cfg = cfg
+        self.dtype = jnp.dtype(cfg.dtype)
+        v, d = cfg.vocab_size, cfg.d_model
+        # HF initialises embeddings with std 0.02; any small scale works for training from scratch
+        embed = jax.random.normal(rngs.params(), (v, d), jnp.float32) * 0.02
+        self.embed = nnx.Param(embed, logical_axes=("vocab", "embed"))
+        self.layers = Layers(cfg, rngs)
+        self.final_norm = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=("embed",))
+        if not cfg.tie_embeddings:
+            head = _dense_init(rngs.params(), (d, v), d)
+            self.lm_head = nnx.Param(head, logical_axes=("embed", "vocab"))
+
+    def _layer_params(self):
+        return {name: getattr(self.layers, name)[...] for name in LAYER_AXES}
+
+    def __call__(self, tokens_BxT, pos_BxT, leave_BxT, remat: bool = False):
+        """Tree forward -> final-normed hidden [B,T,D]. Query q sees key k iff k<=q<leave[k]."""
+        cfg, dtype = self.cfg, self.dtype
+        x = self.embed[...].astype(dtype)[tokens_BxT]
+
+        def block(x, p):
+            q, k, v = _qkv(p, x, pos_BxT, cfg, dtype)
+            out = attention.attend(q, k, v, leave_BxT, impl=cfg.attention, block=cfg.attn_block)
+            return _finish_block(p, x, out, cfg, dtype), None
+
+        if remat:
+            block = jax.checkpoint(block)
+        x, _ = jax.lax.scan(block, x, self._layer_params())
+        return rms_norm(x, self.final_norm[...], cfg.rms_eps)
+
+    def logits(self, hidden_BxNxD):
+        """Vocabulary logits [B,N,V] in float32 (the head runs in cfg.dtype, accumulates fp32)."""
+        if self.cfg.tie_embeddings:
+            w_DxV = self.embed[...].T
+        else:
+            w_DxV = self.lm_head[...]
+        return jnp.einsum(
+            "bnd,dv->bnv",
+            hidden_BxNxD.astype(self.dtype),
+            w_DxV.astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        )
+
+    def init_cache(self, num_slots: int, max_len: int, dtype=jnp.float32):
+        """Empty slot KV cache: {'k','v'}: [L, S, M, KVH, Dh] (logical axes CACHE_AXES)."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+        """Causal forward of T new tokens per row against slot ``slot_B[b]`` of the cache.
+
+        Writes the new K/V at cache positions start..start+T-1 of the slot and lets token t
+        attend to entries [0, start+t] of that slot. Returns (hidden [B,T,D], new cache).
+        Used for chunked prefill (T = chunk) and decode (T = 1). Tokens past the real prompt
+        in a padded chunk are computed and written like real ones; the caller ignores their
+        outputs and later overwrites their entries (the next write starts at the true length).
+        Writes past max_len are dropped, so keep start + T <= max_len for real tokens.
+        Slots must be distinct within one call.
+        """
+        cfg, dtype = self.cfg, self.dtype
+        t = tokens_BxT.shape[1]
+        idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
+        slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
+        x = self.embed[...].astype(dtype)[tokens_BxT]
+
+        def block(carry, xs):
+            x, ck, cv = carry
+            p, layer = xs
+            q, k, v = _qkv(p, x, pos_BxT, cfg, dtype)
+            ck = ck.at[layer, slot_BxT, idx_BxT].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[layer, slot_BxT, idx_BxT].set(v.astype(cv.dtype), mode="drop")
+            k_BxMxKxDh = ck[layer][slot_B].astype(dtype)
+            v_BxMxKxDh = cv[layer][slot_B].astype(dtype)
+            out = _cached_attention(q, k_BxMxKxDh, v_BxMxKxDh, idx_BxT, start_B + t)
+            return (_finish_block(p, x, out, cfg, dtype), ck, cv), None
+
+        layers = jnp.arange(cfg.num_layers)
+        (x, ck, cv), _ = jax.lax.scan(
+            block, (x, cache["k"], cache["v"]), (self._layer_params(), layers)
+        )
+        return rms_norm(x, self.final_norm[...], cfg.rms_eps), {"k": ck, "v": cv}
+
+
+def param_logical_axes(model_or_state):
+    """Pytree matching nnx.state(model, nnx.Param) whose leaves are logical-axis tuples."""
+    state = model_or_state
+    if isinstance(model_or_state, nnx.Module):
+        state = nnx.state(model_or_state, nnx.Param)
+    return jax.tree.map(
+        lambda v: v.replace(tuple(v.get_metadata()["logical_axes"])),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def cache_logical_axes():
+    """Logical axes of init_cache's pytree (slots over 'batch', kv heads over 'kv_heads')."""
+    return {"k": CACHE_AXES, "v": CACHE_AXES}
+
+
+def abstract_model(cfg_model, seed: int = 0):
+    """(graphdef, abstract state) without allocating parameters."""
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg_model, nnx.Rngs(seed))))
+
+
+def state_shardings(cfg_model, cell, role: str):
+    """NamedShardings of the parameter state on ``cell`` laid out for ``role``."""
+    _, abstract_state = abstract_model(cfg_model)
+    return gmesh.tree_shardings(cell, role, param_logical_axes(abstract_state), abstract_state)
+
+
+def init_sharded(cfg_model, seed: int, cell, role: str):
+    """Initialises the parameters directly in their sharded layout -> (graphdef, state)."""
+    graphdef, _ = abstract_model(cfg_model, seed)
+    shardings = state_shardings(cfg_model, cell, role)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(Decoder(cfg_model, nnx.Rngs(seed)), nnx.Param)
+
+    return graphdef, init()
+
+
+def apply(graphdef, state, tokens_BxT, pos_BxT, leave_BxT, remat: bool = False):
+    """Pure forward for plain jax.jit: -> final-normed hidden [B,T,D]."""
+    return nnx.merge(graphdef, state)(tokens_BxT, pos_BxT, leave_BxT, remat=remat)
+
+
+def apply_logits(graphdef, state, hidden_BxNxD):
+    """Pure head: hidden [B,N,D] -> float32 logits [B,N,V]."""
+    return nnx.merge(graphdef, state).logits(hidden_BxNxD)
+
+
+def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+    """Pure Decoder.forward_cached for plain jax.jit (donate ``cache`` for in-place writes)."""
+    return nnx.merge(graphdef, state).forward_cached(tokens_BxT, pos_BxT, cache, slot_B, start_B)
