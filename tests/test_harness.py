@@ -213,3 +213,45 @@ def test_ten_thousand_steps_run_in_a_bounded_window():
     assert res.end_reason == "success" and res.milestones == 10_000
     assert res.stats["max_context"] <= 128 and res.stats["compactions"] > 1000
     assert max(r.tokens.size for r in res.records) <= 128
+
+
+def test_trees_have_the_expected_shapes():
+    from gyre.trajectory.tree import build_tree
+
+    env = LedgerEnv(num_ops=8)
+    for res in run(env, GarbagePolicy(LedgerExpert(), period=2)):  # retries: dead branches
+        tree = build_tree(res.records)
+        r = res.stats["retries"]
+        assert len(tree.leaf_calls) == 1 + r
+        assert tree.num_nodes == res.records[-1].tokens.size + len(GarbagePolicy.GARBAGE) * r
+    env = LedgerEnv(num_ops=60, header_ops=4)
+    cfg = AgentSettings(max_calls=400, context_window=64, max_new_tokens=8)
+    for res in run(env, LedgerExpert(), cfg=cfg, n=2):  # compaction: one path per segment
+        tree = build_tree(res.records)
+        assert len(tree.leaf_calls) == res.stats["compactions"] + 1
+        assert tree.num_nodes < sum(r.completion.size + r.prompt.size for r in res.records)
+    (res,) = run(LedgerEnv(num_ops=8), LedgerExpert(delegate_prob=0.5, seed=1), n=1)
+    tree = build_tree(res.records)  # each sub-agent is its own leaf path
+    assert len(tree.leaf_calls) == 1 + res.stats["sub_agents"]
+
+
+def test_scripted_harness_driver_reports_endings_and_tree_stats(capsys):
+    import importlib.util
+    import json
+    import pathlib
+
+    from gyre.agent import run_scripted_harness
+    from gyre.config import validate
+
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "harness_ledger.py"
+    spec = importlib.util.spec_from_file_location("harness_ledger", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.get_config("16")
+    validate(cfg)
+    summary = run_scripted_harness(cfg)
+    assert sum(summary["end_reasons"].values()) == summary["executions"] == 32
+    assert {"success", "failure", "timeout", "infra_error"} <= set(summary["end_reasons"])
+    assert summary["flat_tokens"] >= summary["unique_tokens"] > 0
+    assert summary["paths"] >= summary["executions"] - summary["end_reasons"]["infra_error"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary

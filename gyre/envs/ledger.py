@@ -91,7 +91,10 @@ class LedgerEnv(Environment):
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> LedgerEnv:
-        kw = dict(num_ops=cfg.env.num_ops, modulus=cfg.env.modulus, latency=cfg.env.tool_latency)
+        """From cfg.env; the whole chain is listed when K <= 16, else a 16-step window."""
+        k = cfg.env.num_ops
+        kw = dict(num_ops=k, modulus=cfg.env.modulus, latency=cfg.env.tool_latency,
+                  header_ops=min(k, 16), max_wrong=cfg.agent.max_retries)  # fmt: skip
         return cls(**{**kw, **overrides})
 
     def make_tasks(self, seed: int, n: int) -> list[Task]:
