@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from gyre import mesh as gmesh
 from gyre.config import default_config
@@ -152,6 +152,12 @@ class HandOver(RuleBasedStateMachine):
     def spin(self):
         for _ in range(2):
             self.loop.run_until_complete(asyncio.sleep(0))
+
+    @initialize(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=10))
+    def start_some(self, lengths):
+        for n in lengths:
+            self.submit(n, 8, False)
+        self.proxy.pump()
 
     @rule(prompt_len=st.integers(1, 40), new=st.integers(1, 10), stop=st.booleans())
     def submit(self, prompt_len, new, stop):
