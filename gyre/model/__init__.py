@@ -11,6 +11,7 @@ from gyre.model.decoder import (
     param_logical_axes,
     state_shardings,
 )
+from gyre.model.hf import load_hf, save_hf
 
 __all__ = [
     "Decoder",
@@ -20,6 +21,8 @@ __all__ = [
     "apply_logits",
     "cache_logical_axes",
     "init_sharded",
+    "load_hf",
     "param_logical_axes",
+    "save_hf",
     "state_shardings",
 ]
