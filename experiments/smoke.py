@@ -1,6 +1,6 @@
 """Smoke test of the foundation: cells, a tiny model, one train step, a role move.
 
-    python launch.py --config=experiments/smoke.py --workdir=workdirs/smoke
+python launch.py --config=experiments/smoke.py --workdir=workdirs/smoke
 """
 
 from gyre.config import default_config

@@ -110,6 +110,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.run.sft_target_accuracy = 0.0
     c.run.eval_tasks = 0
     c.run.switch_cost_s = 0.0
+    c.run.handover = "migrate"  # live requests of a cell leaving rollout: migrate or retry
+    c.run.slack_cells = 1  # elastic: spare rollout cells kept beyond the outstanding work
+    c.run.eval_every = 0  # greedy held-out evaluation every N steps (0: start and end only)
+    c.run.sft_batch = 16  # demonstrations per warm-start step
+    c.run.sft_lr = 1e-3
+    c.run.sft_eval_every = 50
+    c.run.sft_mistake_prob = 0.1
+    c.run.warmstart_dir = ""  # cache of the warm start ("" = <workdir>/warmstart)
     return c
 
 
@@ -136,7 +144,9 @@ def _check_tree(cfg, ref, prefix: str) -> None:
 def _check_choice(cfg, path: str, choices) -> None:
     section, key = path.split(".")
     if cfg[section][key] not in choices:
-        raise ConfigError(f"config key '{path}' must be one of {choices}, got {cfg[section][key]!r}")
+        raise ConfigError(
+            f"config key '{path}' must be one of {choices}, got {cfg[section][key]!r}"
+        )
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -146,6 +156,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     _check_choice(cfg, "trajectory.packing", ("tree", "flat"))
     _check_choice(cfg, "trajectory.reward", ("partial", "binary"))
     _check_choice(cfg, "run.scheduler", SCHEDULERS)
+    _check_choice(cfg, "run.handover", ("migrate", "retry"))
     _check_choice(cfg, "model.attention", ("block_sparse", "dense"))
     _check_choice(cfg, "model.dtype", ("float32", "bfloat16"))
     m = cfg.model
@@ -155,13 +166,17 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
             f"model.num_heads ({m.num_heads})"
         )
     if cfg.trajectory.row_len % 128:
-        raise ConfigError(f"config key 'trajectory.row_len' must be a multiple of 128, got {cfg.trajectory.row_len}")
+        raise ConfigError(
+            f"config key 'trajectory.row_len' must be a multiple of 128, got {cfg.trajectory.row_len}"
+        )
     if cfg.mesh.cell_size < 1:
         raise ConfigError(f"config key 'mesh.cell_size' must be >= 1, got {cfg.mesh.cell_size}")
     if num_devices is not None:
         n = cfg.mesh.num_devices or num_devices
         if n > num_devices:
-            raise ConfigError(f"config key 'mesh.num_devices' ({n}) exceeds the {num_devices} visible devices")
+            raise ConfigError(
+                f"config key 'mesh.num_devices' ({n}) exceeds the {num_devices} visible devices"
+            )
         if n % cfg.mesh.cell_size:
             raise ConfigError(
                 f"config key 'mesh.cell_size' ({cfg.mesh.cell_size}) does not divide the {n} devices"

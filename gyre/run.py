@@ -15,8 +15,8 @@ from gyre.config import ConfigError, validate
 
 ENTRIES = {
     "smoke": "gyre.smoke:run",
-    "harness": "gyre.agent.experiment:run",
-    "rl": "gyre.elastic.controller:train_and_evaluate",
+    "harness": "gyre.agent.driver:run",
+    "rl": "gyre.elastic.experiment:train_and_evaluate",
     "paper_table": "gyre.elastic.paper:run",
 }
 

@@ -14,7 +14,9 @@ def test_unknown_key_is_named_with_suggestion():
     cfg = default_config()
     cfg.train.unlock()
     cfg.train.lrr = 3e-4
-    with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr' \(did you mean train.lr\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'train.lrr' \(did you mean train.lr\?\)"
+    ):
         validate(cfg)
 
 
@@ -28,8 +30,12 @@ def test_unknown_section_is_named():
 
 @pytest.mark.parametrize(
     "section,key,value",
-    [("train", "lr", "fast"), ("model", "num_layers", 2.5), ("model", "tie_embeddings", 1),
-     ("mesh", "cell_size", True)],
+    [
+        ("train", "lr", "fast"),
+        ("model", "num_layers", 2.5),
+        ("model", "tie_embeddings", 1),
+        ("mesh", "cell_size", True),
+    ],
 )
 def test_wrong_type_is_named(section, key, value):
     # ConfigDict itself refuses most retyping; a config built from a plain dict does not.
@@ -52,7 +58,10 @@ def test_int_accepted_for_float():
         ({"mesh.cell_size": 3}, "mesh.cell_size"),
         ({"mesh.num_devices": 16}, "mesh.num_devices"),
         ({"mesh.cell_size": 4, "mesh.model_parallel": 3}, "mesh.model_parallel"),
-        ({"mesh.cell_size": 4, "mesh.model_parallel": 4, "model.num_kv_heads": 2}, "model.num_kv_heads"),
+        (
+            {"mesh.cell_size": 4, "mesh.model_parallel": 4, "model.num_kv_heads": 2},
+            "model.num_kv_heads",
+        ),
         ({"model.num_kv_heads": 3}, "model.num_kv_heads"),
         ({"trajectory.row_len": 100}, "trajectory.row_len"),
         ({"trajectory.loss_mode": "mean"}, "trajectory.loss_mode"),

@@ -42,7 +42,9 @@ def test_indivisible_cell_size_is_clear():
 def test_indivisible_array_layout_is_clear():
     cell = mesh.make_cells(cell_size=4)[0]
     with pytest.raises(ConfigError, match=r"\['embed'\]: dimension 6 is not divisible"):
-        mesh.tree_shardings(cell, "train", {"embed": ("vocab", "embed")}, {"embed": jnp.zeros((4, 6))})
+        mesh.tree_shardings(
+            cell, "train", {"embed": ("vocab", "embed")}, {"embed": jnp.zeros((4, 6))}
+        )
 
 
 def test_role_rules_differ():
