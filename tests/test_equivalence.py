@@ -11,12 +11,16 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import branchy_execution
 
 from gyre.config import default_config
 from gyre.mesh import make_cells
 from gyre.model import decoder
 from gyre.train import loss as tloss
 from gyre.train.step import Microbatch, Trainer, split_microbatches
+from gyre.trajectory.batch import ExecutionResult, build_batch
 
 ROW = 128
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -212,5 +216,68 @@ def test_microbatch_gradients_summed_over_cells_equal_single_batch(setup):
     np.testing.assert_allclose(loss, float(whole.metrics["loss"]), rtol=1e-5)
 
 
-def test_cfg_is_configdict():
-    assert isinstance(tiny_config(), ml_collections.ConfigDict)
+def _execution_batches(cfg, seed, n_calls):
+    """Three executions of one task (mixed-sign advantages) packed as tree and as flat."""
+    results = [
+        ExecutionResult(
+            branchy_execution(seed + i, n_calls=n_calls, vocab=16, max_obs=6, max_gen=8,
+                              execution_id=f"e{i}"),
+            "t0",
+            judge_score=i / 3,
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    out = []
+    for mode in ("tree", "flat"):
+        c = ml_collections.ConfigDict(cfg.to_dict())
+        c.trajectory.packing = mode
+        batch, report = build_batch(results, c, buckets=(16,))
+        assert not report.rejected, report.rejected
+        out.append(batch)
+    return out
+
+
+def _rows_per_execution(batch):
+    return [int((batch.exec_index == e).any(1).sum()) for e in range(3)]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.integers(0, 10_000), st.integers(14, 28))
+def test_pack_equals_flatten_on_branchy_executions(setup, seed, n_calls):
+    """gyre.trajectory pack vs its flatten reference; rows of 128 force splits of big trees."""
+    check_pack_equivalence(setup, seed, n_calls)
+
+
+def check_pack_equivalence(setup, seed, n_calls):
+    cfg, cells, graphdef, params, trainer = setup
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    tree, flat = _execution_batches(cfg, seed, n_calls)
+    if tree.tokens.shape != (16, ROW) or flat.tokens.shape != (16, ROW):
+        return  # a rare oversize batch would only cost a second compile
+    # old_logp per tree node: the current logp plus node-keyed noise (both sides agree)
+    logp_tree = model_logp(graphdef, params, tree._asdict())
+    logp_flat = model_logp(graphdef, params, flat._asdict())
+    rng = np.random.default_rng(seed)
+    noise = {}
+    for b, lp in ((tree, logp_tree), (flat, logp_flat)):
+        old = np.zeros_like(b.old_logp)
+        for idx in zip(*np.nonzero(b.w > 0)):
+            key = (int(b.exec_index[idx]), int(b.node_index[idx]))
+            if key not in noise:
+                noise[key] = (lp[idx], rng.normal(0, 0.4))
+            np.testing.assert_allclose(lp[idx], noise[key][0], rtol=1e-5, atol=1e-5)
+            old[idx] = sum(noise[key])
+        b.old_logp[...] = old
+    gt = trainer.compute_grads(cells[0], split_microbatches(tree, 16)[0])
+    gf = trainer.compute_grads(cells[0], split_microbatches(flat, 16)[0])
+    mt, mf = jax.device_get(gt.metrics), jax.device_get(gf.metrics)
+    np.testing.assert_allclose(mt["loss"], mf["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(mt["w_sum"], mf["w_sum"], rtol=1e-5)
+    assert_same_grads(gt.grads, gf.grads)
+
+
+def test_row_splits_are_exercised(setup):
+    """A case whose trees are split over several rows, checked for equivalence too."""
+    tree, _ = _execution_batches(setup[0], 7, 24)
+    assert max(_rows_per_execution(tree)) > 1
+    check_pack_equivalence(setup, 7, 24)

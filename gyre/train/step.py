@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
+import types
 import warnings
 
 import jax
@@ -90,15 +92,21 @@ def _pad_row(t: int) -> dict:
     return row
 
 
-def split_microbatches(batch, rows: int) -> list[Microbatch]:
+def split_microbatches(batch, rows: int, exec_names=None) -> list[Microbatch]:
     """Cuts a packed batch ([R, T] fields) into micro-batches of ``rows`` rows; the last one is
-    filled with padding rows so every micro-batch has the same shape (one compile)."""
+    filled with padding rows so every micro-batch has the same shape (one compile).
+
+    Each micro-batch records the executions it holds (from the batch's ``exec_index`` field,
+    mapped through ``exec_names`` when given) for logging a bad step.
+    """
     if rows < 1:
         raise ValueError(f"train.rows_per_microbatch must be >= 1, got {rows}")
     arrays = {name: np.asarray(_field(batch, name)) for name in tloss.TRAIN_FIELDS}
     r, t = arrays["tokens"].shape
-    ids = list(np.asarray(getattr(batch, "exec_ids", None) or [], dtype=object).reshape(-1))
-    per_row = len(ids) == r
+    try:
+        exec_index = np.asarray(_field(batch, "exec_index"))
+    except (KeyError, AttributeError):
+        exec_index = np.full((r, t), -1)
     out = []
     for i, start in enumerate(range(0, r, rows)):
         part = {k: v[start : start + rows] for k, v in arrays.items()}
@@ -107,10 +115,8 @@ def split_microbatches(batch, rows: int) -> list[Microbatch]:
             pad = _pad_row(t)
             part = {k: np.concatenate([v, np.stack([pad[k]] * missing).astype(v.dtype)])
                     for k, v in part.items()}  # fmt: skip
-        mb_ids = (
-            sorted(set(map(str, ids[start : start + rows]))) if per_row else list(map(str, ids))
-        )
-        out.append(Microbatch(part, mb_ids, i))
+        ids = [int(e) for e in np.unique(exec_index[start : start + rows]) if e >= 0]
+        out.append(Microbatch(part, [exec_names[e] for e in ids] if exec_names else ids, i))
     return out
 
 
@@ -137,6 +143,81 @@ def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
+# Compiles per (program, cell), counted at trace time: a retrace shows up here.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+_ADD = jax.jit(_tree_add, donate_argnums=(0,))
+
+
+def _objective(graphdef, objective, loss_cfg, use_ref, params, ref_params, batch, version_now):
+    """(grads, metric sums) of one micro-batch under ``params``."""
+    tokens, pred = batch["tokens"], batch["pred"]
+
+    def logprobs(p):
+        model = nnx.merge(graphdef, p)
+        hidden = model(tokens, batch["pos"], batch["leave"])
+        return tloss.token_logprobs(model.logits(hidden), tokens, pred)
+
+    def loss_of(p):
+        logp, ent = logprobs(p)
+        if objective == "sft":
+            return tloss.sft_loss(logp, ent, batch)
+        ref = jax.lax.stop_gradient(logprobs(ref_params)[0]) if use_ref else None
+        return tloss.policy_loss(logp, ent, batch, loss_cfg, version_now, ref)
+
+    (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    return grads, metrics
+
+
+@functools.cache
+def gradient_program(graphdef, spec, objective, loss_cfg, use_ref, mesh):
+    """The jitted gradient program of one cell (shared by every Trainer with these settings):
+    parameters in the cell's 'train' layout, batch rows over 'data', batch buffers donated."""
+    cell = gmesh.Cell(-1, mesh)
+    p_sh = decoder.state_shardings(spec, cell, "train")
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+    rep = NamedSharding(mesh, PartitionSpec())
+    b_sh = {name: rows for name in tloss.TRAIN_FIELDS}
+
+    def fn(params, ref_params, batch, version_now):
+        TRACE_COUNTS[("grad", mesh)] += 1
+        return _objective(graphdef, objective, loss_cfg, use_ref, params, ref_params, batch,
+                          version_now)  # fmt: skip
+
+    return jax.jit(
+        fn,
+        in_shardings=(p_sh, p_sh if use_ref else None, b_sh, rep),
+        out_shardings=(p_sh, rep),
+        donate_argnums=(2,),
+    )
+
+
+@functools.cache
+def update_program(opt_key):
+    """(params, opt_state, grads, loss_ok) -> (params, opt_state, ok, grad_norm) on the core.
+
+    The update is kept only if the loss and the gradient are finite (else the old state is
+    returned unchanged). ``opt_key`` is the hashable optimizer setting (see Trainer)."""
+    tx = topt.make_optimizer(types.SimpleNamespace(**dict(opt_key[0])), *opt_key[1:])
+
+    def fn(params, opt_state, grads, loss_ok):
+        TRACE_COUNTS[("update", opt_key)] += 1
+        leaves = jax.tree.leaves(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in leaves))
+        ok = loss_ok & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        return keep(new_params, params), keep(new_opt, opt_state), ok, grad_norm
+
+    return jax.jit(fn, donate_argnums=(1, 2))
+
+
+OPT_KEYS = ("lr", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip")
+
+
 class Trainer:
     """Gradient programs on any train cell, optimizer state and authoritative weights on the
     core cell (``cells[0]``). ``objective`` is 'ppo' (policy loss) or 'sft' (cross-entropy)."""
@@ -150,8 +231,7 @@ class Trainer:
             raise ValueError("Trainer needs at least one cell (cells[0] is the core)")
         self.cfg, self.graphdef, self.objective = cfg, graphdef, objective
         self.core = cells[0]
-        self.trace_counts = collections.Counter()
-        self._programs, self._param_sh, self._copies = {}, {}, {}
+        self._param_sh, self._copies = {}, {}
         self.loss_cfg = tloss.LossConfig.from_config(cfg)
         self.tx = topt.make_optimizer(cfg.train, schedule, decay_steps)
         self.params = gmesh.move(params, self.param_shardings(self.core))
@@ -168,8 +248,8 @@ class Trainer:
         self.step, self.version, self.bad_steps = int(step), int(version), 0
         self.rng = jax.random.key(cfg.seed) if rng is None else rng
         self.microbatches_done = 0  # queue position: micro-batches consumed over the run
-        self._add = jax.jit(_tree_add, donate_argnums=(0,))
-        self._update = jax.jit(self._update_fn, donate_argnums=(1, 2))
+        train = {k: cfg.train[k] for k in OPT_KEYS}
+        self._opt_key = (tuple(sorted(train.items())), schedule, decay_steps)
 
     # ------------------------------------------------------------------ layouts and weights
 
@@ -199,44 +279,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ gradient program
 
-    def _objective(self, params, ref_params, batch, version_now, cell_index):
-        self.trace_counts[cell_index] += 1  # runs at trace time only: counts compiles
-        tokens, pred = batch["tokens"], batch["pred"]
-
-        def logprobs(p):
-            model = nnx.merge(self.graphdef, p)
-            hidden = model(tokens, batch["pos"], batch["leave"])
-            return tloss.token_logprobs(model.logits(hidden), tokens, pred)
-
-        def loss_of(p):
-            logp, ent = logprobs(p)
-            if self.objective == "sft":
-                return tloss.sft_loss(logp, ent, batch)
-            ref = jax.lax.stop_gradient(logprobs(ref_params)[0]) if self.use_ref else None
-            return tloss.policy_loss(logp, ent, batch, self.loss_cfg, version_now, ref)
-
-        (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return grads, metrics
-
     def _program(self, cell):
-        key = cell.mesh
-        if key not in self._programs:
-            p_sh = self.param_shardings(cell)
-            rows = NamedSharding(cell.mesh, PartitionSpec("data", None))
-            rep = NamedSharding(cell.mesh, PartitionSpec())
-            b_sh = {name: rows for name in tloss.TRAIN_FIELDS}
-            ref_sh = p_sh if self.use_ref else None
-
-            def fn(params, ref_params, batch, version_now):
-                return self._objective(params, ref_params, batch, version_now, cell.index)
-
-            self._programs[key] = jax.jit(
-                fn,
-                in_shardings=(p_sh, ref_sh, b_sh, rep),
-                out_shardings=(p_sh, rep),
-                donate_argnums=(2,),
-            )
-        return self._programs[key]
+        spec = decoder.ModelSpec.from_config(self.cfg.model)
+        return gradient_program(self.graphdef, spec, self.objective, self.loss_cfg, self.use_ref,
+                                cell.mesh)  # fmt: skip
 
     def compute_grads(self, cell, mb: Microbatch) -> GradResult:
         """Gradient (on ``cell``, 'train' layout) and metric sums of one micro-batch."""
@@ -258,20 +304,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ update on the core
 
-    def _update_fn(self, params, opt_state, grads, loss_ok):
-        """AdamW update, kept only if the loss and the gradient are finite."""
-        grad_norm = jnp.sqrt(
-            sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(grads))
-        )
-        ok = loss_ok & jnp.isfinite(grad_norm)
-        updates, new_opt = self.tx.update(grads, opt_state, params)
-        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
-
-        def keep(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-        return keep(new_params, params), keep(new_opt, opt_state), ok, grad_norm
-
     def sum_grads(self, results: list[GradResult]):
         """Sum of all micro-batch gradients, on the core cell."""
         if not results:
@@ -280,17 +312,18 @@ class Trainer:
         total = None
         for res in results:
             g = gmesh.move(res.grads, core_sh)  # a no-op for the core's own gradients
-            total = g if total is None else self._add(total, g)
+            total = g if total is None else _ADD(total, g)
         return total
 
     def apply_step(self, results: list[GradResult]) -> StepOutcome:
         """Sums the gradients onto the core and applies one optimizer update (or skips it)."""
         grads = self.sum_grads(results)
         metrics = tloss.combine_metrics([jax.device_get(r.metrics) for r in results])
-        exec_ids = sorted({i for r in results for i in r.exec_ids})
+        exec_ids = sorted({i for r in results for i in r.exec_ids}, key=str)
         loss_ok = bool(np.isfinite(metrics["loss"]))
-        params, opt_state, ok, grad_norm = self._update(self.params, self.opt_state, grads,
-                                                        jnp.asarray(loss_ok))  # fmt: skip
+        update = update_program(self._opt_key)
+        params, opt_state, ok, grad_norm = update(self.params, self.opt_state, grads,
+                                                  jnp.asarray(loss_ok))  # fmt: skip
         self.params, self.opt_state = params, opt_state
         metrics["grad_norm"] = float(grad_norm)
         self.step += 1
@@ -312,9 +345,10 @@ class Trainer:
             )
         return StepOutcome(False, self.version, self.step, metrics, exec_ids)
 
-    def train_step(self, cells, batch) -> StepOutcome:
+    def train_step(self, cells, batch, exec_names=None) -> StepOutcome:
         """One optimizer step over ``batch`` (packed), micro-batches dealt round-robin to cells."""
-        queue = MicrobatchQueue(split_microbatches(batch, self.cfg.train.rows_per_microbatch))
+        mbs = split_microbatches(batch, self.cfg.train.rows_per_microbatch, exec_names)
+        queue = MicrobatchQueue(mbs)
         results, i = [], 0
         while (mb := queue.get()) is not None:
             results.append(self.compute_grads(cells[i % len(cells)], mb))
