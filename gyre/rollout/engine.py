@@ -165,7 +165,7 @@ class Programs:
 
 
 @functools.lru_cache(maxsize=64)
-def _programs_cached(cell, key, cfg_holder):
+def _programs_cached(cell, cfg_holder):
     return Programs(cfg_holder.cfg, cell)
 
 
@@ -193,8 +193,7 @@ class _CfgHolder:
 
 def programs_for(cfg, cell: gmesh.Cell) -> Programs:
     """Programs of ``cell`` for ``cfg``, shared by every engine built for the same pair."""
-    holder = _CfgHolder(cfg)
-    return _programs_cached(cell, holder.key, holder)
+    return _programs_cached(cell, _CfgHolder(cfg))
 
 
 class Engine:
@@ -223,6 +222,23 @@ class Engine:
         self.slots = [Slot(np.zeros(0, np.int32)) for _ in range(self.num_slots)]
         if state is not None:
             self.set_weights(state, self.version if version is None else version)
+
+    def warmup(self) -> None:
+        """Compiles (or loads from the persistent cache) both programs now, not on first use.
+
+        Runs them with every write aimed past the cache (dropped), so no slot changes.
+        """
+        beyond = np.array([self.max_len], np.int32)
+        zero = np.zeros(1, np.int32)
+        tokens = np.zeros((1, self.chunk), np.int32)
+        self.cache, _, _ = self.programs.prefill(
+            self.state, self.cache, tokens, beyond, zero, zero, *_identity([None])
+        )
+        s = self.num_slots
+        idle = np.full(s, self.max_len, np.int32)
+        self.cache, _, _ = self.programs.decode(
+            self.state, self.cache, np.zeros(s, np.int32), idle, *_identity([None] * s)
+        )
 
     def suspend(self) -> None:
         """Frees the cache (the cell leaves rollout). Every live request must be gone first."""
