@@ -67,7 +67,7 @@ def engine_rate(cfg, cell, state, batch, prompt_len, new):
             engine.submit(r)
         start = time.perf_counter()
         engine.step()  # admission + all prefill chunks + the first decode
-        while any(s.live and s.held.size < s.live.prompt.size for s in engine.slots):
+        while any(s.live and s.length < s.live.prompt.size for s in engine.slots):
             engine.step()
         prefill_s = time.perf_counter() - start
         steps0, start = engine.stats["decode_steps"], time.perf_counter()

@@ -124,6 +124,7 @@ def test_bad_input_raises_in_the_caller_and_others_finish():
 def test_run_loop_serves_concurrent_callers_and_prefers_the_same_cell():
     async def main():
         proxy = new_proxy(CELLS[:2])
+        proxy.warmup()
         runner = asyncio.create_task(proxy.run())
         first = make_request(40, 12, 6, 0.0)
         out1 = await proxy.generate(first)

@@ -80,11 +80,22 @@ class Live:
         )
 
 
-@dataclasses.dataclass
 class Slot:
-    held: np.ndarray  # int32[length]: tokens whose K/V the slot holds, positions 0..length-1
-    live: Live | None = None
-    last_used: int = -1
+    """Host view of one cache slot: the tokens whose K/V it holds at positions 0..length-1."""
+
+    def __init__(self, max_len: int):
+        self.buf = np.zeros(max_len, np.int32)  # preallocated: appending a token is O(1)
+        self.length = 0
+        self.live: Live | None = None
+        self.last_used = -1
+
+    @property
+    def held(self) -> np.ndarray:
+        return self.buf[: self.length]
+
+    def write(self, start: int, tokens: np.ndarray) -> None:
+        self.buf[start : start + tokens.size] = tokens
+        self.length = start + tokens.size
 
 
 @dataclasses.dataclass
@@ -219,7 +230,7 @@ class Engine:
     def resume(self, state=None, version: int | None = None) -> None:
         """(Re)allocates an empty cache; optionally installs weights."""
         self.cache = self.programs.new_cache()
-        self.slots = [Slot(np.zeros(0, np.int32)) for _ in range(self.num_slots)]
+        self.slots = [Slot(self.max_len) for _ in range(self.num_slots)]
         if state is not None:
             self.set_weights(state, self.version if version is None else version)
 
@@ -300,7 +311,7 @@ class Engine:
             return SlotExport(lv, np.zeros(0, np.int32), None)
         rows = self.programs.read_rows(self.cache, np.int32(i))
         self.slots[i].live = None
-        return SlotExport(lv, self.slots[i].held, rows)
+        return SlotExport(lv, self.slots[i].held.copy(), rows)
 
     def import_(self, exp: SlotExport) -> None:
         """Installs an exported request into an idle slot (its rows cross with device_put)."""
@@ -313,7 +324,9 @@ class Engine:
         i = min(idle, key=lambda j: self.slots[j].last_used)
         rows = gmesh.move(exp.rows, self.programs.rows_sh)
         self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
-        self.slots[i] = Slot(exp.held, exp.live, next(self._clock))
+        slot = self.slots[i]
+        slot.write(0, exp.held)
+        slot.live, slot.last_used = exp.live, next(self._clock)
         self.stats["imported"] += 1
 
     # ------------------------------------------------------------------ one step
@@ -331,7 +344,7 @@ class Engine:
             return False
         reuse = best_key[0]
         slot = self.slots[best]
-        slot.held, slot.live, slot.last_used = slot.held[:reuse], lv, next(self._clock)
+        slot.length, slot.live, slot.last_used = reuse, lv, next(self._clock)  # rewind
         self.stats["prompt_tokens"] += lv.prompt.size
         self.stats["reused_tokens"] += reuse
         return True
@@ -354,7 +367,7 @@ class Engine:
 
     def _prefill_one(self, slot_index: int, done: list) -> None:
         slot, lv = self.slots[slot_index], self.slots[slot_index].live
-        start = slot.held.size
+        start = slot.length
         piece = lv.prompt[start : start + self.chunk]
         tokens_1xC = np.zeros((1, self.chunk), np.int32)
         tokens_1xC[0, : piece.size] = piece
@@ -367,9 +380,9 @@ class Engine:
             np.array([piece.size - 1], np.int32),
             *_identity([lv]),
         )
-        slot.held = lv.prompt[: start + piece.size]
+        slot.write(start, piece)
         self.stats["prefill_chunks"] += 1
-        if slot.held.size == lv.prompt.size:
+        if slot.length == lv.prompt.size:
             self._record(slot, int(tok[0]), float(lp[0]), done)
 
     def _decode(self, active: list[int], done: list) -> None:
@@ -381,7 +394,7 @@ class Engine:
             slot = self.slots[i]
             lives[i] = slot.live
             tokens_S[i] = slot.live.tokens[-1]
-            start_S[i] = slot.held.size
+            start_S[i] = slot.length
         self.cache, tok_S, lp_S = self.programs.decode(
             self.state, self.cache, tokens_S, start_S, *_identity(lives)
         )
@@ -389,7 +402,7 @@ class Engine:
         self.stats["decode_steps"] += 1
         for i in active:
             slot = self.slots[i]
-            slot.held = np.append(slot.held, np.int32(tokens_S[i]))
+            slot.write(slot.length, tokens_S[i : i + 1])
             self._record(slot, int(tok_S[i]), float(lp_S[i]), done)
 
     def step(self) -> list[tuple[int, GenerateResponse]]:
@@ -403,7 +416,7 @@ class Engine:
             self.queue.popleft()
         done: list = []
         for i, slot in enumerate(self.slots):
-            if slot.live is not None and slot.held.size < slot.live.prompt.size:
+            if slot.live is not None and slot.length < slot.live.prompt.size:
                 self._prefill_one(i, done)
         active = [i for i, s in enumerate(self.slots) if s.live is not None and s.live.tokens]
         if active:

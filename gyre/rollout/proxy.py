@@ -226,7 +226,13 @@ class Proxy:
         for index in self.rollout:
             self.engines[index].set_weights(state, version)
 
+    def warmup(self) -> None:
+        """Compiles every rollout engine's programs now (start-up), not on the first call."""
+        for index in sorted(self.rollout):
+            self.engines[index].warmup()
+
     def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from cached KV / prompt tokens, over every engine."""
         reused = sum(e.stats["reused_tokens"] for e in self.engines.values())
         total = sum(e.stats["prompt_tokens"] for e in self.engines.values())
         return reused / max(1, total)
