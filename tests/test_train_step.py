@@ -168,3 +168,16 @@ def test_kl_to_an_identical_reference_is_zero(world):
     assert abs(float(res.metrics["kl_ref"])) < 1e-6
     with pytest.raises(ValueError, match="ref_params"):
         Trainer(cfg, cells[:1], graphdef, params)
+
+
+def test_sft_on_packed_records_lowers_the_loss(world):
+    from gyre.train.sft import records_batch, sft_trainer
+
+    cfg, cells, graphdef, params = world
+    demos = [branchy_execution(s, n_calls=4, vocab=16, execution_id=f"d{s}") for s in range(3)]
+    batch = records_batch(demos, cfg, buckets=(4,))
+    assert batch.tokens.shape == (4, 128)
+    np.testing.assert_allclose(batch.w.sum(), 1.0, rtol=1e-5)  # token-mean coefficients
+    trainer = sft_trainer(cfg, cells[:1], graphdef, params)
+    losses = [trainer.train_step(cells[:1], batch).metrics["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0]

@@ -1,0 +1,109 @@
+"""Trainer checkpoints with orbax: params, optimizer state, counters, RNG, queue position.
+
+Saves are asynchronous (``CheckpointManager.save`` returns while the write goes on; call
+:meth:`Checkpointer.wait` or close before exit). Restore reads every array straight into the
+shardings of the *new* core cell, so a run may resume on a different number of cells or a
+different cell size. Only completed steps are ever listed, so a crash mid-save leaves the last
+good checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from gyre.model import decoder
+from gyre.train import optimizer as topt
+
+
+class Checkpointer:
+    """Thin wrapper over ocp.CheckpointManager with items 'params', 'opt_state', 'meta'."""
+
+    def __init__(self, directory: str, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
+        self.directory = os.path.abspath(directory)
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True),
+        )
+
+    def save(self, step: int, params, opt_state, meta: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        self.manager.wait_until_finished()
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self.manager.wait_until_finished()
+        return list(self.manager.all_steps())
+
+    def restore(self, step: int, abstract_params, abstract_opt_state):
+        """-> (params, opt_state, meta), arrays placed as the abstract trees' shardings say."""
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params),
+                opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+        return out["params"], out["opt_state"], dict(out["meta"])
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _with_shardings(tree, shardings):
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
+
+
+def save_trainer(ckpt: Checkpointer, trainer, metadata: dict, wait: bool = False) -> None:
+    """Saves a Trainer under its step number (see Trainer.save)."""
+    meta = {
+        "step": trainer.step,
+        "version": trainer.version,
+        "microbatches_done": trainer.microbatches_done,
+        "rng": np.asarray(jax.random.key_data(trainer.rng)).tolist(),
+        "objective": trainer.objective,
+        "metadata": metadata,
+    }
+    ckpt.save(trainer.step, trainer.params, trainer.opt_state, meta)
+    if wait:
+        ckpt.wait()
+
+
+def restore_trainer(cls, cfg, cells, graphdef, ckpt: Checkpointer, step=None, **kw):
+    """Builds ``cls`` (a Trainer) from checkpoint ``step`` (default: latest) on ``cells``."""
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint to restore in {ckpt.directory}")
+    core = cells[0]
+    _, abstract_params = decoder.abstract_model(cfg.model)
+    param_sh = decoder.state_shardings(cfg.model, core, "train")
+    abstract_params = _with_shardings(abstract_params, param_sh)
+    tx = topt.make_optimizer(cfg.train, kw.get("schedule", "constant"), kw.get("decay_steps", 0))
+    abstract_opt = topt.abstract_state(tx, abstract_params, param_sh, core.mesh)
+    params, opt_state, meta = ckpt.restore(step, abstract_params, abstract_opt)
+    rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+    kw.setdefault("objective", meta["objective"])
+    trainer = cls(cfg, cells, graphdef, params, opt_state=opt_state, step=meta["step"],
+                  version=meta["version"], rng=rng, **kw)  # fmt: skip
+    trainer.microbatches_done = int(meta["microbatches_done"])
+    return trainer, meta["metadata"]
