@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre.elastic import calibration
 from gyre.elastic.policy import PolicyParams
 from gyre.elastic.sim import CostModel, simulate
 from gyre.elastic.workload import Call, Execution, WorkloadSpec, generate, read_trace, write_trace
@@ -140,3 +141,38 @@ def test_trace_roundtrip(tmp_path):
     path.write_text('{"execution_id": "x", "step": 0}\n')
     with pytest.raises(ValueError, match="trace.jsonl:1"):
         read_trace(str(path))
+
+
+def test_calibration_fit_recovers_a_known_cost_model():
+    truth = dataclasses.replace(COST, decode_per_ctx_token_s=3e-9)
+    fitted = calibration.fit(calibration.measurements(truth))
+    for name in (
+        "decode_base_s",
+        "decode_per_seq_s",
+        "decode_per_ctx_token_s",
+        "prefill_per_token_s",
+        "train_per_token_s",
+    ):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    noisy = calibration.fit(calibration.measurements(truth, noise=0.02, seed=1))
+    assert noisy.decode_base_s == pytest.approx(truth.decode_base_s, rel=0.1)
+
+
+def test_calibration_files_load_and_need_a_source():
+    for name in ("h200_122b_a10b", "h200_2p4t"):
+        cost = calibration.load(name)
+        assert cost.source and cost.train_per_token_s > 0 and cost.switch_r2t_s == 8.5
+    bad = calibration.measurements(COST)
+    del bad["source"]
+    with pytest.raises(ValueError, match="source"):
+        calibration.from_dict(bad)
+
+
+def test_replication_scales_costs_and_keeps_the_lower_bound_consistent():
+    cost = dataclasses.replace(COST, slots=8, cell_capacity=8.0)
+    rep = cost.replicated(4)
+    assert rep.slots == 2 and rep.decode_step_s(2, 2000.0) == pytest.approx(
+        cost.decode_step_s(8, 8000.0)
+    )
+    # One simulated token stands for 4 real ones.
+    assert rep.min_token_work_s(1000.0) == pytest.approx(4 * cost.min_token_work_s(1000.0))

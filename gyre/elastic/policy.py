@@ -25,7 +25,8 @@ class LoadSnapshot:
     roles: the role each cell plays or is switching into.
     dispatched / started / finished: execution counters since the run began.
     live_requests: model calls held by each cell (0 on train cells).
-    train_queue_tokens: tokens of finished executions not yet trained (queued or in flight).
+    train_queue_tokens: tokens trainable now (finished executions of the step being trained,
+      queued or in flight); later steps' tokens wait for the optimizer step and do not count.
     rollout_capacity: executions a cell serves concurrently at its target batch.
     train_throughput: tokens/s one cell trains.
     switch_r2t_s / switch_t2r_s: seconds a rollout->train / train->rollout switch costs.

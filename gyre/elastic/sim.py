@@ -27,6 +27,9 @@ from gyre.elastic.policy import POLICIES, ROLLOUT, TRAIN, LoadSnapshot, PolicyPa
 from gyre.elastic.workload import Execution
 
 DEFAULT_PARAMS = PolicyParams()
+# A request this close to its last token is done: at t ~ 1e6 s smaller time steps vanish in
+# float rounding and the decode event would fire forever at the same instant.
+_TOKEN_TOL = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,24 @@ class CostModel:
             self.decode_base_s
             + self.decode_per_seq_s * batch
             + self.decode_per_ctx_token_s * ctx_sum
+        )
+
+    def replicated(self, m: int) -> CostModel:
+        """Each simulated execution stands for m identical ones: per-request costs x m.
+
+        Keeps event counts small at cluster scale; it removes the variance between copies.
+        """
+        if m < 1 or self.slots % m:
+            raise ValueError(f"replication {m} must be >= 1 and divide slots ({self.slots})")
+        return dataclasses.replace(
+            self,
+            decode_per_seq_s=self.decode_per_seq_s * m,
+            decode_per_ctx_token_s=self.decode_per_ctx_token_s * m,
+            prefill_per_token_s=self.prefill_per_token_s * m,
+            train_per_token_s=self.train_per_token_s * m,
+            slots=self.slots // m,
+            cell_capacity=self.cell_capacity / m,
+            microbatch_tokens=max(1, self.microbatch_tokens // m),
         )
 
     def min_token_work_s(self, ctx: float) -> float:
@@ -249,7 +270,7 @@ class Simulator:
             started=self.started,
             finished=self.finished,
             live_requests=tuple(c.load() for c in self.cells),
-            train_queue_tokens=sum(self.queue.values()) + sum(self.inflight.values()),
+            train_queue_tokens=self.queue[self.version] + self.inflight[self.version],
             rollout_capacity=(cost.cell_capacity or cost.slots,) * self.k,
             train_throughput=(1.0 / cost.train_per_token_s,) * self.k,
             switch_r2t_s=cost.switch_r2t_s,
@@ -426,9 +447,9 @@ class Simulator:
         if epoch != c.epoch:
             return
         self._advance(c)
-        while c.heap and c.heap[0][0] <= c.v + 1e-9:
+        while c.heap and c.heap[0][0] <= c.v + _TOKEN_TOL:
             _, _, req = heapq.heappop(c.heap)
-            if req in c.active and req.target <= c.v + 1e-9:
+            if req in c.active and req.target <= c.v + _TOKEN_TOL:
                 self._detach(c, req)
                 es = req.ex
                 es.req, es.call = None, es.call + 1
