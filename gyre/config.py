@@ -32,7 +32,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.num_devices = 0  # 0: all visible devices
     c.mesh.cpu_devices = 8  # fake this many devices when the platform is CPU
     c.mesh.model_parallel = 1  # size of the intra-cell 'model' axis; 'data' gets the rest
-    c.mesh.compilation_cache = True  # persistent XLA cache under <workdir>/xla_cache
+    c.mesh.compilation_cache = True  # persistent XLA cache
+    c.mesh.cache_dir = ""  # where that cache lives ("" = <workdir>/xla_cache)
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 64

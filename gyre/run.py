@@ -32,7 +32,8 @@ def setup_devices(cfg) -> None:
     """Fakes cfg.mesh.cpu_devices CPU devices; must run before JAX initialises a backend."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+    if jax.config.jax_num_cpu_devices != cfg.mesh.cpu_devices:  # tests set it already
+        jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
 
 
 def write_config(cfg, workdir: str) -> str:
@@ -58,7 +59,7 @@ def main(cfg, workdir: str) -> dict:
         sys.exit(f"config error: {e}")
     write_config(cfg, workdir)
     if cfg.mesh.compilation_cache:
-        mesh.enable_compilation_cache(workdir)
+        mesh.enable_compilation_cache(workdir, cfg.mesh.cache_dir)
     summary = entry(cfg, workdir)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True, default=str)

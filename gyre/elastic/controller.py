@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import logging
 import os
+import signal
 import time
 
 import jax
@@ -70,6 +71,19 @@ class StepWork:
         return self.groups_left == 0 and not self.queue
 
 
+class Notifying:
+    """A generate client that wakes the controller after every model call (a decision point:
+    live load changed)."""
+
+    def __init__(self, client, controller):
+        self.client, self.controller = client, controller
+
+    async def generate(self, request):
+        out = await self.client.generate(request)
+        self.controller.wake.set()
+        return out
+
+
 class Temperature:
     """A generate client that overrides the sampling temperature (greedy evaluation)."""
 
@@ -108,8 +122,11 @@ def step_tasks(env, cfg, step: int) -> list[Task]:
 class Controller:
     """Runs ``cfg.run.steps`` RL steps under ``cfg.run.scheduler``; resumes from the workdir."""
 
-    def __init__(self, cfg, workdir: str, params=None, policy_fn=None):
+    def __init__(self, cfg, workdir: str, params=None, policy_fn=None, keep_results=False):
         self.cfg, self.workdir = cfg, workdir
+        self.history: list | None = [] if keep_results else None  # per step, for tests
+        # Test hook: SIGKILL this process after N micro-batches (a kill at an arbitrary point).
+        self._kill_after = int(os.environ.get("GYRE_KILL_AFTER_MICROBATCHES", "0"))
         self.cells = mesh.cells_from_config(cfg)
         self.env = make_env(cfg)
         self.policy = policy_fn or policies.POLICIES[cfg.run.scheduler]
@@ -202,7 +219,8 @@ class Controller:
         async def one(k: int):
             # One execution per sample; ids '<task>/<k>#0' stay unique and keyed by identity.
             sample = dataclasses.replace(task, task_id=f"{task.task_id}/{k}")
-            (res,) = await run_executions(self.env, [sample], self.proxy, self.cfg)
+            client = Notifying(self.proxy, self)
+            (res,) = await run_executions(self.env, [sample], client, self.cfg)
             self.counters["finished"] += 1
             self.wake.set()
             return res
@@ -242,6 +260,8 @@ class Controller:
                 t0 = time.time()
                 res = self.trainer.compute_grads(cell, mb)
                 self.timeline.busy(cell.index, time.time() - t0)
+                if self._kill_after and self.trainer.microbatches_done >= self._kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 work.grads.append((part, res))
                 return True
         return False
@@ -263,6 +283,8 @@ class Controller:
             self.trainer.version += 1
         self.proxy.set_weights(self.trainer.params, self.trainer.version)
         del self.steps[work.step]
+        if self.history is not None:
+            self.history.append(work.results)
         return self._step_metrics(work, outcome)
 
     def _step_metrics(self, work: StepWork, outcome) -> dict:
