@@ -7,6 +7,8 @@
 The experiment's ``run.entry`` names the library function (see gyre/run.py).
 """
 
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -18,6 +20,20 @@ _WORKDIR = flags.DEFINE_string(
 )
 
 
+def parse_flags(argv):
+    """absl parsing, with every bad flag or override reduced to one line naming it."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"flag error: {e}")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # an unknown dotted key
+        while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps KeyError
+            e = e.args[0]
+        sys.exit(
+            "config error: unknown or bad key " + " ".join(str(e.args[0] if e.args else e).split())
+        )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -27,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

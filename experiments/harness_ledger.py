@@ -5,7 +5,7 @@ tokens). Run:
   python launch.py --config=experiments/harness_ledger.py --workdir=/tmp/harness_ledger
   python launch.py --config=experiments/harness_ledger.py:10000 --workdir=/tmp/harness_ledger
 (the optional argument is K, the number of ledger steps). The launcher calls
-``gyre.agent.run_scripted_harness(cfg)``.
+``gyre.agent.driver.run(cfg, workdir)``.
 """
 
 from gyre.config import default_config
@@ -14,6 +14,7 @@ from gyre.config import default_config
 def get_config(arg=None):
     cfg = default_config()
     cfg.name = "harness_ledger"
+    cfg.run.entry = "harness"
     cfg.env.name = "ledger"
     cfg.env.num_ops = int(arg) if arg else 64
     cfg.env.modulus = 10

@@ -17,7 +17,6 @@ ENTRIES = {
     "smoke": "gyre.smoke:run",
     "harness": "gyre.agent.driver:run",
     "rl": "gyre.elastic.experiment:train_and_evaluate",
-    "paper_table": "gyre.elastic.paper:run",
 }
 
 

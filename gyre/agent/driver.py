@@ -98,3 +98,15 @@ def run_scripted_harness(cfg) -> dict:
         print(f"  {key:<18} {summary.get(key, 0):>10.4g}")
     print(json.dumps(summary))
     return summary
+
+
+def run(cfg, workdir: str) -> dict:
+    """launch.py entry (run.entry = 'harness'): the scripted harness; figures to the workdir."""
+    import json
+    import os
+
+    summary = run_scripted_harness(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "harness.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    return summary

@@ -270,9 +270,12 @@ def block_sparse_attention(q, k, v, leave, block: int = 128):
 
 
 def attend(q, k, v, leave, impl: str = "block_sparse", block: int = 128):
-    """Dispatches to the configured attention path (see gyre.config model.attention)."""
+    """Dispatches to the configured attention path (see gyre.config model.attention).
+
+    A row shorter than the block is one block (short test and smoke rows need no padding).
+    """
     if impl == "block_sparse":
-        return block_sparse_attention(q, k, v, leave, block)
+        return block_sparse_attention(q, k, v, leave, min(block, q.shape[1]))
     if impl == "dense":
         _check_qkv(q, k, v, leave)
         return dense_attention(q, k, v, leave)

@@ -1,0 +1,59 @@
+"""The real entry point: smoke and harness experiments in-process, flag errors in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import experiments.harness_ledger as harness_ledger
+import experiments.smoke as smoke
+from gyre import run
+from gyre.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_experiment_moves_weights_exactly(tmp_path):
+    summary = run.main(smoke.get_config(), str(tmp_path))
+    assert summary["moved_equal"] and summary["cells"] == 4
+    assert summary["loss"] > 0 and summary["grad_norm"] > 0
+    resolved = json.load(open(tmp_path / "config.json"))
+    assert resolved["run"]["entry"] == "smoke" and resolved["mesh"]["cell_size"] == 2
+    assert json.load(open(tmp_path / "summary.json"))["moved_equal"] is True
+
+
+def test_harness_experiment_reports_every_ending(tmp_path):
+    cfg = harness_ledger.get_config("8")
+    summary = run.main(cfg, str(tmp_path))
+    assert summary["executions"] == cfg.run.tasks_per_step * cfg.run.samples_per_task
+    assert {"success", "failure", "timeout", "infra_error"} <= set(summary["end_reasons"])
+    assert summary["flat_tokens"] >= summary["unique_tokens"] > 0
+
+
+def test_unknown_entry_is_a_config_error():
+    with pytest.raises(ConfigError, match="run.entry"):
+        run.resolve_entry("nope")
+
+
+def _launch(*flags):
+    return subprocess.run(
+        [sys.executable, "launch.py", *flags], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag,needle",
+    [
+        ("--config.train.lrr=3e-4", "lrr"),
+        ("--config.mesh.cell_size=3", "mesh.cell_size"),
+        ("--config.train.lr=fast", "lr"),
+    ],
+)
+def test_bad_flags_stop_with_a_message_naming_the_key(tmp_path, flag, needle):
+    out = _launch("--config=experiments/smoke.py", f"--workdir={tmp_path}", flag)
+    assert out.returncode != 0
+    assert needle in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "summary.json").exists()
