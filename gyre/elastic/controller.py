@@ -36,7 +36,7 @@ from gyre import mesh
 from gyre.agent.harness import run_executions
 from gyre.config import ConfigError
 from gyre.elastic import policy as policies
-from gyre.elastic.progress import RoleTimeline, RunLedger
+from gyre.elastic.progress import RoleTimeline, RunLedger, TraceWriter
 from gyre.envs.base import Task
 from gyre.model import decoder
 from gyre.rollout.engine import Engine
@@ -156,6 +156,7 @@ class Controller:
         self.proxy.latest_weights = (self.trainer.params, self.trainer.version)
         self.roles = ["rollout"] * len(self.cells)
         self.timeline = RoleTimeline(len(self.cells))
+        self.trace = TraceWriter(os.path.join(workdir, "trace.jsonl"), cfg.agent.max_seconds)
         self.counters = collections.Counter()  # dispatched, started, finished
         self.steps: dict[int, StepWork] = {}
         self.next_step = self.trainer.version  # one optimizer step per RL step
@@ -211,17 +212,19 @@ class Controller:
         work = StepWork(step, self.trainer.version, len(tasks), time.time())
         self.steps[step] = work
         self.counters["dispatched"] += len(tasks) * n
-        for task in tasks:
-            asyncio.create_task(self._run_group(work, task, n))
+        for group, task in enumerate(tasks):
+            asyncio.create_task(self._run_group(work, task, n, group))
         self.next_step = step + 1
 
-    async def _run_group(self, work: StepWork, task: Task, n: int) -> None:
+    async def _run_group(self, work: StepWork, task: Task, n: int, group: int) -> None:
         async def one(k: int):
             # One execution per sample; ids '<task>/<k>#0' stay unique and keyed by identity.
             sample = dataclasses.replace(task, task_id=f"{task.task_id}/{k}")
             client = Notifying(self.proxy, self)
+            start = self.timeline.now()
             (res,) = await run_executions(self.env, [sample], client, self.cfg)
             self.counters["finished"] += 1
+            self.trace.record(res, work.step, group, start, self.timeline.now())
             self.wake.set()
             return res
 

@@ -7,6 +7,10 @@ import json
 import os
 import time
 
+import numpy as np
+
+from gyre.elastic import workload
+
 
 class RunLedger:
     """<workdir>/ledger.jsonl: one line per optimizer step with the execution ids it trained.
@@ -19,6 +23,7 @@ class RunLedger:
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "ledger.jsonl")
         self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+        self.trace_path = os.path.join(workdir, "trace.jsonl")
 
     def record_step(self, step: int, execution_ids: list[str]) -> None:
         with open(self.path, "a") as f:
@@ -31,8 +36,8 @@ class RunLedger:
             return [json.loads(line) for line in f if line.strip()]
 
     def truncate(self, version: int) -> None:
-        """Keeps only steps < version in the ledger and the metrics file."""
-        for path in (self.path, self.metrics_path):
+        """Keeps only steps < version in the ledger, the metrics and the trace."""
+        for path in (self.path, self.metrics_path, self.trace_path):
             if not os.path.exists(path):
                 continue
             with open(path) as f:
@@ -90,3 +95,39 @@ class RoleTimeline:
             {"cell": c, "role": r, "start": round(s, 4), "end": round(e, 4)}
             for c, r, s, e in self.all_spans()
         ]
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class TraceWriter:
+    """<workdir>/trace.jsonl in the simulator's trace format (gyre/elastic/workload.py), so a
+    real run can be replayed by the simulator and the two compared."""
+
+    def __init__(self, path: str, timeout_s: float):
+        self.path, self.timeout_s = path, timeout_s
+
+    def record(self, result, step: int, group: int, start_s: float, end_s: float) -> None:
+        calls, seen = [], []
+        for rec in result.records:
+            cached = max((common_prefix(rec.prompt, t) for t in seen), default=0)
+            calls.append(workload.Call(
+                prompt_tokens=int(rec.prompt.size),
+                completion_tokens=int(rec.completion.size),
+                tool_latency_s=0.0,
+                new_prompt_tokens=int(rec.prompt.size) - cached,
+                role=rec.role,
+            ))  # fmt: skip
+            seen.append(rec.tokens)
+        if not calls:
+            return
+        ex = workload.Execution(
+            result.execution_id, step, tuple(calls), self.timeout_s, group,
+            {"start_s": round(start_s, 4), "end_s": round(end_s, 4),
+             "end_reason": result.end_reason},
+        )  # fmt: skip
+        with open(self.path, "a") as f:
+            f.write(workload.to_json(ex) + "\n")
