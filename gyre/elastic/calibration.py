@@ -8,6 +8,12 @@ A calibration is a JSON file under ``gyre/elastic/calibrations/`` with a mandato
              fits step_s = base + per_seq * batch + per_ctx * context_tokens
     prefill: [{"tokens": n, "seconds": t}, ...]  fits seconds = per_token * tokens
     train:   [{"tokens": n, "seconds": t}, ...]  fits seconds = per_token * tokens (one cell)
+    ``"intercepts": true`` fits prefill and train with a fixed cost each instead:
+    seconds = prefill_call_s + per_token * tokens and seconds = microbatch_s + per_token *
+    tokens (a fixed-shape program costs about the same however full it is), and optional
+    ``step``: [{"optimizer_s", "publish_s", "checkpoint_s"}, ...] (medians are taken) and
+    ``switch``: [{"seconds": t}, ...] (median, both directions) give the per-step and
+    role-switch costs.
 - ``"hardware"``: published device figures and a model shape, projected with roofline
   estimates (decode reads all weights once per step and each request's KV cache; prefill and
   training are compute bound at the stated utilisation).
@@ -48,6 +54,25 @@ def _slope(xy: np.ndarray, name: str) -> float:
     return float(np.dot(x, y) / np.dot(x, x))
 
 
+def _linear(xy: np.ndarray, name: str) -> tuple[float, float]:
+    """Least-squares (intercept, slope), both clipped at 0; one distinct x gives slope 0."""
+    x, y = xy[:, 0], xy[:, 1]
+    if len(np.unique(x)) < 2:
+        return max(float(np.mean(y)), 0.0), 0.0
+    coef, *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), y, rcond=None)
+    intercept, slope = (max(float(c), 0.0) for c in coef)
+    if slope == 0.0:  # the clipped slope: refit the intercept alone
+        intercept = max(float(np.mean(y)), 0.0)
+    elif intercept == 0.0:
+        slope = _slope(xy, name)
+    return intercept, slope
+
+
+def _median(meas: dict, key: str, field: str) -> float:
+    vals = [float(r[field]) for r in meas.get(key, []) if field in r]
+    return float(np.median(vals)) if vals else 0.0
+
+
 def fit(meas: dict) -> CostModel:
     """Least-squares fit of a cost model from measured timings (``kind: measured``)."""
     dec = _rows(meas, "decode", ("batch", "context_tokens", "step_s"))
@@ -55,13 +80,20 @@ def fit(meas: dict) -> CostModel:
     coef, *_ = np.linalg.lstsq(design, dec[:, 2], rcond=None)
     # A negative coefficient is noise around zero; clipping keeps the cost monotone.
     base, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
-    fields = dict(
-        decode_base_s=base,
-        decode_per_seq_s=per_seq,
-        decode_per_ctx_token_s=per_ctx,
-        prefill_per_token_s=_slope(_rows(meas, "prefill", ("tokens", "seconds")), "prefill"),
-        train_per_token_s=_slope(_rows(meas, "train", ("tokens", "seconds")), "train"),
-    )
+    prefill = _rows(meas, "prefill", ("tokens", "seconds"))
+    train = _rows(meas, "train", ("tokens", "seconds"))
+    fields = dict(decode_base_s=base, decode_per_seq_s=per_seq, decode_per_ctx_token_s=per_ctx)
+    if meas.get("intercepts"):
+        fields["prefill_call_s"], fields["prefill_per_token_s"] = _linear(prefill, "prefill")
+        fields["microbatch_s"], fields["train_per_token_s"] = _linear(train, "train")
+    else:
+        fields["prefill_per_token_s"] = _slope(prefill, "prefill")
+        fields["train_per_token_s"] = _slope(train, "train")
+    for key in ("optimizer_s", "publish_s", "checkpoint_s"):
+        if meas.get("step"):
+            fields[key] = _median(meas, "step", key)
+    if meas.get("switch"):
+        fields["switch_r2t_s"] = fields["switch_t2r_s"] = _median(meas, "switch", "seconds")
     return _finish(fields, meas)
 
 

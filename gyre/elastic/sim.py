@@ -15,6 +15,20 @@ Model (every approximation is one line here, so results can be read against it):
 - A cell leaving rollout hands its live requests to the global queue; they re-prefill their
   context on the next cell (``handover_reprefill``) and continue decoding where they were.
 - Execution timeouts are wall-clock from dispatch; a timed-out execution trains on what it made.
+
+Options for modelling the real engine on one CPU (all off by default):
+- ``prefill_chunk > 0``: prefill runs like the engine's fixed-shape program, in chunks (a
+  partial chunk costs a whole one), at least one chunk per call (the engine always re-runs
+  the last prompt token for its logits), and the prefill samples the call's first token.
+- ``prefill_call_s`` / ``microbatch_s`` / ``checkpoint_s``: fixed cost per call's prefill, per
+  micro-batch (a fixed-shape program) and
+  per optimizer step (the checkpoint the controller saves).
+- ``shared_cores``: every cell runs on the same processor (this CPU). Concurrent work shares
+  it evenly (processor sharing): while n units (busy or switching cells, the optimizer) work,
+  each goes at 1/n speed. All compute slows by the same factor, so the order of events is the
+  simulated one and only the clock changes: wall dt = max(1, n) dtau (:func:`shared_clock`).
+  Exact when nothing runs on the wall clock (tool latency 0, no timeout reached); otherwise
+  tool waits and timeouts are taken in the unshared clock (an approximation).
 """
 
 from __future__ import annotations
@@ -22,6 +36,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import math
+
+import numpy as np
 
 from gyre.elastic.policy import POLICIES, ROLLOUT, TRAIN, LoadSnapshot, PolicyParams
 from gyre.elastic.workload import Execution
@@ -49,6 +66,11 @@ class CostModel:
     cell_capacity: float = 0.0  # executions a rollout cell counts as full for the policy; 0 = slots
     microbatch_tokens: int = 65536
     handover_reprefill: bool = True
+    prefill_chunk: int = 0  # > 0: chunked prefill like the engine (see the module docstring)
+    prefill_call_s: float = 0.0  # fixed cost of one call's prefill (dispatch, first sample)
+    microbatch_s: float = 0.0  # fixed cost of one micro-batch
+    checkpoint_s: float = 0.0  # per optimizer step, after optimizer_s + publish_s
+    shared_cores: bool = False  # all cells share one processor (see the module docstring)
     source: str = ""
 
     def decode_step_s(self, batch: int, ctx_sum: float) -> float:
@@ -57,6 +79,18 @@ class CostModel:
             + self.decode_per_seq_s * batch
             + self.decode_per_ctx_token_s * ctx_sum
         )
+
+    def prefill_s(self, tokens: float) -> float:
+        """Seconds to prefill ``tokens`` uncached prompt tokens of one call."""
+        if self.prefill_chunk <= 0:
+            return self.prefill_call_s + tokens * self.prefill_per_token_s
+        chunks = max(1, math.ceil(tokens / self.prefill_chunk - 1e-9))
+        return self.prefill_call_s + chunks * self.prefill_chunk * self.prefill_per_token_s
+
+    @property
+    def step_overhead_s(self) -> float:
+        """Seconds from a step's last gradient to its published weights (optimizer + I/O)."""
+        return self.optimizer_s + self.publish_s + self.checkpoint_s
 
     def replicated(self, m: int) -> CostModel:
         """Each simulated execution stands for m identical ones: per-request costs x m.
@@ -205,6 +239,7 @@ class Simulator:
             [],
             [],
         )
+        self.opt_spans: list[tuple[float, float]] = []  # (start, end) of optimizer steps
 
     # ---- event plumbing -------------------------------------------------------------------
     def _push(self, at: float, kind: str, *args) -> None:
@@ -224,6 +259,8 @@ class Simulator:
         for c in self.cells:
             self._record(c, force=True)
         longest = max(self._fastest(ex) for batch in self.steps for ex in batch)
+        if self.cost.shared_cores:
+            self._share_cores()
         return SimResult(
             self.name,
             self.t,
@@ -237,10 +274,21 @@ class Simulator:
             self.step_end,
         )
 
+    def _share_cores(self) -> None:
+        """Re-times the run as if every cell ran on one shared processor (processor sharing)."""
+        busy = [(t0, t1) for _, t0, t1, _, state in self.timeline if state != "idle"]
+        wall = shared_clock(busy + self.opt_spans)
+        self.timeline = [(c, wall(t0), wall(t1), r, st) for c, t0, t1, r, st in self.timeline]
+        self.outcomes = {
+            k: (why, wall(t0), wall(t1), tok) for k, (why, t0, t1, tok) in self.outcomes.items()
+        }
+        self.step_end = [wall(t) for t in self.step_end]
+        self.t = wall(self.t)
+
     def _fastest(self, ex: Execution) -> float:
         c = self.cost
         d = sum(
-            call.new_prompt_tokens * c.prefill_per_token_s
+            c.prefill_s(call.new_prompt_tokens)
             + call.tool_latency_s
             + call.completion_tokens
             * c.decode_step_s(1, call.prompt_tokens + call.completion_tokens / 2)
@@ -340,13 +388,15 @@ class Simulator:
             self._end(es, "success")
             return
         call = es.ex.calls[es.call]
+        chunked = self.cost.prefill_chunk > 0  # the engine always prefills >= 1 token
         req = _Req(
             es,
             es.call,
             call.prompt_tokens + call.completion_tokens / 2,
-            call.new_prompt_tokens,
+            max(call.new_prompt_tokens, 1) if chunked else call.new_prompt_tokens,
             float(call.completion_tokens),
         )
+        req.new = call.new_prompt_tokens
         es.req = req
         self._route(req)
 
@@ -400,7 +450,7 @@ class Simulator:
         c.prefilling = c.prefill_q.popleft()
         c.epoch += 1  # decoding pauses while the prefill runs
         self._push(
-            self.t + c.prefilling.prefill * self.cost.prefill_per_token_s,
+            self.t + self.cost.prefill_s(c.prefilling.prefill),
             "prefill",
             c.i,
             c.prefilling,
@@ -415,6 +465,9 @@ class Simulator:
         self.work += req.new * self.cost.prefill_per_token_s
         req.ex.tokens += req.new
         req.prefill = req.new = 0
+        if self.cost.prefill_chunk > 0 and req.remaining >= 1:
+            req.remaining -= 1  # the engine's prefill samples the first completion token
+            req.ex.tokens += 1
         self._join(c, req)
         if c.prefill_q:
             self._start_prefill(c)
@@ -532,17 +585,23 @@ class Simulator:
                 self.queue[s] -= take
                 self.inflight[s] += take
                 c.micro = take
-                self._push(self.t + take * self.cost.train_per_token_s, "micro", c.i)
+                self._push(
+                    self.t + take * self.cost.train_per_token_s + self.cost.microbatch_s,
+                    "micro",
+                    c.i,
+                )
                 self._record(c)
         if rollout_done and self.queue[s] <= 1e-6 and self.inflight[s] <= 1e-6:
             self.queue[s] = self.inflight[s] = 0.0
             self.opt_running = True
-            self._push(self.t + self.cost.optimizer_s + self.cost.publish_s, "opt")
+            done = self.t + self.cost.step_overhead_s
+            self.opt_spans.append((self.t, done))
+            self._push(done, "opt")
 
     def _on_micro(self, i: int) -> None:
         c = self.cells[i]
         self.inflight[self.version] -= c.micro
-        self.work += c.micro * self.cost.train_per_token_s
+        self.work += c.micro * self.cost.train_per_token_s + self.cost.microbatch_s
         c.micro = None
         self._record(c)
         if c.pending_role is not None and c.pending_role != c.role:
@@ -567,3 +626,30 @@ def simulate(
 ) -> SimResult:
     """Runs one policy over the workload; see the module docstring for the model."""
     return Simulator(steps, num_cells, policy, cost, params).run()
+
+
+def shared_clock(busy: list[tuple[float, float]]):
+    """tau -> wall seconds on one processor shared by the ``busy`` (start, end) intervals.
+
+    While n intervals overlap, each runs at 1/n speed, so dwall = max(1, n) dtau; outside
+    every interval (nothing to compute, e.g. a tool wait) the clocks run together.
+    """
+    if any(t1 < t0 for t0, t1 in busy):
+        raise ValueError("shared_clock: every busy interval needs start <= end")
+    deltas = collections.Counter()
+    for t0, t1 in busy:
+        deltas[t0] += 1
+        deltas[t1] -= 1
+    xs = sorted(deltas) or [0.0]
+    n_after = np.cumsum([deltas[x] for x in xs])  # overlapping intervals right after x
+    ws = np.concatenate([[xs[0]], xs[0] + np.cumsum(np.diff(xs) * np.maximum(1, n_after[:-1]))])
+    xs = np.asarray(xs, float)
+
+    def wall(tau: float) -> float:
+        if tau <= xs[0]:
+            return float(tau)
+        if tau >= xs[-1]:
+            return float(ws[-1] + tau - xs[-1])
+        return float(np.interp(tau, xs, ws))
+
+    return wall
