@@ -23,6 +23,8 @@ Options for modelling the real engine on one CPU (all off by default):
 - ``prefill_call_s`` / ``microbatch_s`` / ``checkpoint_s``: fixed cost per call's prefill, per
   micro-batch (a fixed-shape program) and
   per optimizer step (the checkpoint the controller saves).
+- ``pack_by_group``: like the controller, a task group's tokens are queued when its last
+  execution ends, cut into ceil(tokens / microbatch_tokens) micro-batches of their own.
 - ``shared_cores``: every cell runs on the same processor (this CPU). Concurrent work shares
   it evenly (processor sharing): while n units (busy or switching cells, the optimizer) work,
   each goes at 1/n speed. All compute slows by the same factor, so the order of events is the
@@ -71,6 +73,7 @@ class CostModel:
     microbatch_s: float = 0.0  # fixed cost of one micro-batch
     checkpoint_s: float = 0.0  # per optimizer step, after optimizer_s + publish_s
     shared_cores: bool = False  # all cells share one processor (see the module docstring)
+    pack_by_group: bool = False  # micro-batches per finished task group, like the controller
     source: str = ""
 
     def decode_step_s(self, batch: int, ctx_sum: float) -> float:
@@ -91,6 +94,11 @@ class CostModel:
     def step_overhead_s(self) -> float:
         """Seconds from a step's last gradient to its published weights (optimizer + I/O)."""
         return self.optimizer_s + self.publish_s + self.checkpoint_s
+
+    def train_tokens_per_s(self) -> float:
+        """Tokens one cell trains per second in full micro-batches (inf if training is free)."""
+        mb_s = self.microbatch_s + self.microbatch_tokens * self.train_per_token_s
+        return self.microbatch_tokens / mb_s if mb_s > 0 else float("inf")
 
     def replicated(self, m: int) -> CostModel:
         """Each simulated execution stands for m identical ones: per-request costs x m.
@@ -240,6 +248,9 @@ class Simulator:
             [],
         )
         self.opt_spans: list[tuple[float, float]] = []  # (start, end) of optimizer steps
+        self.group_left = collections.Counter((ex.step, ex.group) for b in steps for ex in b)
+        self.group_tokens = collections.defaultdict(float)
+        self.micro_sizes = collections.defaultdict(collections.deque)  # pack_by_group only
 
     # ---- event plumbing -------------------------------------------------------------------
     def _push(self, at: float, kind: str, *args) -> None:
@@ -320,7 +331,7 @@ class Simulator:
             live_requests=tuple(c.load() for c in self.cells),
             train_queue_tokens=self.queue[self.version] + self.inflight[self.version],
             rollout_capacity=(cost.cell_capacity or cost.slots,) * self.k,
-            train_throughput=(1.0 / cost.train_per_token_s,) * self.k,
+            train_throughput=(cost.train_tokens_per_s(),) * self.k,
             switch_r2t_s=cost.switch_r2t_s,
             switch_t2r_s=cost.switch_t2r_s,
             step=s,
@@ -563,7 +574,17 @@ class Simulator:
         self.finished += 1
         step = es.ex.step
         self.done_per_step[step] += 1
-        self.queue[step] += es.tokens
+        if self.cost.pack_by_group:
+            group = (step, es.ex.group)
+            self.group_tokens[group] += es.tokens
+            self.group_left[group] -= 1
+            if self.group_left[group] == 0:
+                tokens = self.group_tokens.pop(group)
+                n = max(1, math.ceil(tokens / self.cost.microbatch_tokens))
+                self.micro_sizes[step].extend([tokens / n] * n)
+                self.queue[step] += tokens
+        else:
+            self.queue[step] += es.tokens
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
         self.end_counts[es.ex.execution_id] += 1
         self._try_train()
@@ -576,12 +597,18 @@ class Simulator:
             return
         rollout_done = self.done_per_step[s] == len(self.steps[s])
         size = self.cost.microbatch_tokens
+        grouped = self.cost.pack_by_group
         for c in self.cells:
             q = self.queue[s]
-            if q <= 1e-6 or (q < size and not rollout_done):
+            if grouped and not self.micro_sizes[s]:
+                break
+            if not grouped and (q <= 1e-6 or (q < size and not rollout_done)):
                 break
             if c.role == TRAIN and not c.switching and c.micro is None and c.pending_role is None:
-                take = q if q - size < 1e-6 else size
+                if grouped:
+                    take = self.micro_sizes[s].popleft()
+                else:
+                    take = q if q - size < 1e-6 else size
                 self.queue[s] -= take
                 self.inflight[s] += take
                 c.micro = take
@@ -591,7 +618,8 @@ class Simulator:
                     c.i,
                 )
                 self._record(c)
-        if rollout_done and self.queue[s] <= 1e-6 and self.inflight[s] <= 1e-6:
+        idle = not self.micro_sizes[s] and self.inflight[s] <= 1e-6
+        if rollout_done and idle and (grouped or self.queue[s] <= 1e-6):
             self.queue[s] = self.inflight[s] = 0.0
             self.opt_running = True
             done = self.t + self.cost.step_overhead_s
