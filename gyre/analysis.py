@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -153,6 +154,27 @@ def rollout_busy_fraction(spans: Sequence[Span], intervals: Sequence[tuple[float
             if n > 0:
                 covered += max(0.0, min(t1, s.end) - max(t0, s.start))
     return covered / total if total > 0 else 0.0
+
+
+def replay_workdir(workdir: str, calibration: str = "cpu_measured"):
+    """Simulates a run's own trace.jsonl with its scheduler, policy parameters and number of
+    cells on a calibration's cost model, all cells sharing this CPU's cores (as the real run
+    did). Returns the simulator's SimResult; compare it with the run's timeline.json."""
+    from gyre.elastic import calibration as calib
+    from gyre.elastic import policy, sim, workload
+
+    with open(os.path.join(workdir, "config.json")) as f:
+        run = json.load(f)["run"]
+    params = policy.PolicyParams(
+        async_rollout_cells=run["async_rollout_cells"],
+        max_staleness=0 if run["scheduler"] == "colocate" else run["max_staleness"],
+        slack_cells=run["slack_cells"],
+    )
+    cells = len({s.cell for s in read_timeline(workdir)})
+    # the controller packs micro-batches per finished task group
+    cost = dataclasses.replace(calib.load(calibration), shared_cores=True, pack_by_group=True)
+    steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
+    return sim.simulate(steps, cells, run["scheduler"], cost, params)
 
 
 # ---------------------------------------------------------------- trees

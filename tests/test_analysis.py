@@ -171,3 +171,24 @@ def test_packing_sweep_counts_positions_and_padding(scripted):
     # no forest is split at 1024, so the tree rows hold each kept union exactly once
     assert by[1024, "tree"]["positions"] == cap5["unique_tokens"]
     assert by[1024, "tree"]["loss_tokens"] <= by[1024, "flat"]["loss_tokens"]
+
+
+def test_replay_workdir_simulates_the_run_s_own_trace(tmp_path):
+    from gyre.config import default_config
+    from gyre.elastic.workload import WorkloadSpec, generate, write_trace
+
+    cfg = default_config()
+    cfg.run.scheduler = "colocate"
+    (tmp_path / "config.json").write_text(cfg.to_json_best_effort())
+    spans = [{"cell": c, "role": "rollout", "start": 0.0, "end": 1.0} for c in range(3)]
+    (tmp_path / "timeline.json").write_text(json.dumps(spans))
+    spec = WorkloadSpec(steps=2, queries_per_step=2, samples_per_query=2, mean_calls=3,
+                        mean_completion_tokens=8, mean_observation_tokens=16, system_tokens=20,
+                        mean_tool_latency_s=0.0, seed=3)  # fmt: skip
+    steps = generate(spec)
+    write_trace(str(tmp_path / "trace.jsonl"), steps)
+    res = analysis.replay_workdir(str(tmp_path))
+    assert res.policy == "colocate" and res.num_cells == 3
+    ids = {ex.execution_id for step in steps for ex in step}
+    assert set(res.end_counts) == ids and set(res.end_counts.values()) == {1}
+    assert len(res.step_end_s) == 2 and res.makespan_s >= res.lower_bound_s
