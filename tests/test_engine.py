@@ -193,3 +193,19 @@ def test_sampler_top_p_greedy_and_row_independence():
     full_tok, full_lp = SAMPLE(logits, keys, temp, 1.0)
     for i, (t, lp1) in enumerate(draws):  # a row samples the same alone or in a batch
         assert int(t[0]) == int(full_tok[i]) and float(lp1[0]) == float(full_lp[i])
+
+
+def test_new_weights_never_reuse_a_prefix_cached_under_old_weights():
+    req = make_request(6, 20, 8, 1.0)
+    new_state = jax.tree.map(lambda x: x * 1.05, STATE)
+    engine = Engine(CFG, CELLS[0], STATE)
+    engine.submit(req)
+    engine.run_until_done()
+    engine.set_weights(new_state, 1)
+    again = GenerateRequest(req.execution_id, 7, req.prompt, 8, (), 1.0)
+    rid = engine.submit(again)
+    out = engine.run_until_done()[rid]
+    fresh, _ = run_alone(CELLS[0], [again], new_state)
+    assert engine.stats["reused_tokens"] == 0
+    np.testing.assert_array_equal(out.tokens, fresh[0].tokens)
+    np.testing.assert_allclose(out.logprobs, fresh[0].logprobs, atol=1e-5)

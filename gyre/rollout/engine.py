@@ -260,9 +260,17 @@ class Engine:
         self.cache, self.slots = None, []
 
     def set_weights(self, state, version: int) -> None:
-        """Installs new weights between steps; in-flight requests continue with them."""
+        """Installs new weights between steps; in-flight requests continue with them.
+
+        Idle slots forget their cached prefixes: that K/V came from the old weights, and
+        reusing it would make a later request's tokens depend on which weights served an
+        unrelated earlier one.
+        """
         self.state = gmesh.move(state, self.programs.state_sh)
         self.version = int(version)
+        for slot in self.slots:
+            if slot.live is None:
+                slot.length = 0
 
     # ------------------------------------------------------------------ requests in and out
 
