@@ -95,5 +95,6 @@ def apply_variant(c, variant: str) -> None:
         c.env.num_ops = 4
         c.run.steps, c.run.tasks_per_step, c.run.samples_per_task = 2, 2, 2
         c.run.sft_steps, c.run.eval_tasks, c.run.eval_every = 0, 0, 0
+        c.run.sft_batch = 16
     else:
         raise ValueError(f"unknown quickstart variant {variant!r}; see the module docstring")
