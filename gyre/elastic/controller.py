@@ -168,9 +168,9 @@ class Controller:
     # ------------------------------------------------------------------ policy and roles
 
     def snapshot(self) -> policies.LoadSnapshot:
-        queue_tokens = sum(
-            float(np.sum(mb.arrays["w"] > 0)) for w in self.steps.values() for _, mb in w.queue
-        )
+        # Only the oldest step's micro-batches are trainable now (see train_one).
+        oldest = self.steps[min(self.steps)].queue if self.steps else ()
+        queue_tokens = sum(float(np.sum(mb.arrays["w"] > 0)) for _, mb in oldest)
         k = len(self.cells)
         live = tuple(
             self.engines[i].num_live if self.roles[i] == "rollout" else 0 for i in range(k)
@@ -254,8 +254,10 @@ class Controller:
         train_cells = [c for c in self.cells if self.roles[c.index] == "train"]
         if not train_cells:
             return False
-        for step in sorted(self.steps):
-            work = self.steps[step]
+        # Only the oldest step trains: a later step's gradient must be taken at the weights
+        # its update is applied to, which exist once the older step's update lands.
+        if self.steps:
+            work = self.steps[min(self.steps)]
             if work.queue:
                 part, mb = work.queue.popleft()
                 cell = train_cells[self._rr % len(train_cells)]
