@@ -378,9 +378,10 @@ class Controller:
                         last or (every and self.trainer.version % every == 0)
                     ):
                         metrics.update(await self.evaluate(self.cfg.run.eval_tasks, self.cfg.seed))
-                    t0 = time.time()
-                    self.save()
-                    metrics["checkpoint_seconds"] = round(time.time() - t0, 4)
+                    if last or self.trainer.version % self.cfg.train.checkpoint_every == 0:
+                        t0 = time.time()
+                        self.save()
+                        metrics["checkpoint_seconds"] = round(time.time() - t0, 4)
                     rows.append(metrics)
                     if on_step is not None:
                         on_step(metrics)
