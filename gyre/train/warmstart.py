@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 
@@ -28,8 +27,6 @@ from gyre.trajectory.advantages import path_coefficients
 from gyre.trajectory.pack import PackedBatch, pack
 from gyre.trajectory.select import select_paths
 from gyre.trajectory.tree import build_tree
-
-log = logging.getLogger(__name__)
 
 
 def demo_batch(cfg, seed: int, n: int) -> PackedBatch:
@@ -65,14 +62,15 @@ def demo_batch(cfg, seed: int, n: int) -> PackedBatch:
 
 
 def fingerprint(cfg) -> str:
-    """What the warm start depends on: model, task, demonstrations, and the SFT settings."""
+    """What the warm start's trajectory depends on: model, task, demonstrations, SFT settings.
+
+    The stopping rule (sft_steps, sft_target_accuracy) is left out: demonstrations are keyed
+    by step, so a longer warm start continues a cached shorter one exactly.
+    """
     parts = {
         "model": cfg.model.to_dict(),
         "env": {k: cfg.env[k] for k in ("name", "num_ops", "modulus")},
-        "sft": {
-            k: cfg.run[k]
-            for k in ("sft_steps", "sft_batch", "sft_lr", "sft_mistake_prob", "sft_target_accuracy")
-        },  # fmt: skip
+        "sft": {k: cfg.run[k] for k in ("sft_batch", "sft_lr", "sft_mistake_prob")},
         "seed": cfg.seed,
         "context_window": cfg.agent.context_window,
         "row_len": cfg.trajectory.row_len,
@@ -80,45 +78,51 @@ def fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _done(cfg, steps: int, accuracy: float) -> bool:
+    target = cfg.run.sft_target_accuracy
+    return steps >= cfg.run.sft_steps or bool(target and accuracy >= target)
+
+
 def warm_start(cfg, cells, graphdef, params, folder: str, evaluate) -> tuple[object, dict]:
     """Returns (params, info). ``evaluate(params) -> dict`` with 'eval_milestones' in [0, 1].
 
-    A finished warm start in ``folder`` with the same fingerprint is loaded instead.
+    A cached warm start in ``folder`` with the same fingerprint is loaded, and continued if
+    it stopped short of ``run.sft_steps`` without reaching the target accuracy. Progress is
+    saved at every evaluation, so a killed warm start resumes too.
     """
     fp = fingerprint(cfg)
     info_path = os.path.join(folder, f"warmstart-{fp}.json")
     sft_cfg = cfg.copy_and_resolve_references()
     sft_cfg.train.lr = cfg.run.sft_lr
+    os.makedirs(folder, exist_ok=True)
     ckpt = Checkpointer(os.path.join(folder, f"checkpoints-{fp}"), keep=1)
+    info = {"fingerprint": fp, "steps": 0, "accuracy": 0.0, "history": [], "seconds": 0.0}
     try:
         if os.path.exists(info_path) and ckpt.latest_step() is not None:
             trainer, _ = Trainer.restore(sft_cfg, cells, graphdef, ckpt)
             with open(info_path) as f:
                 info = json.load(f)
-            info["cached"] = True
-            return trainer.params, info
-        trainer = Trainer(sft_cfg, cells, graphdef, params, objective="sft")
-        t0, history, acc = time.time(), [], 0.0
-        for step in range(cfg.run.sft_steps):
+            if _done(cfg, trainer.step, info["accuracy"]):
+                return trainer.params, dict(info, cached=True)
+        else:
+            trainer = Trainer(sft_cfg, cells, graphdef, params, objective="sft")
+        t0, spent = time.time(), info["seconds"]
+        while not _done(cfg, trainer.step, info["accuracy"]):
+            step = trainer.step
             batch = demo_batch(cfg, seed=cfg.seed * 1_000_003 + step, n=cfg.run.sft_batch)
             out = trainer.train_step(cells, batch)
-            last = step + 1 == cfg.run.sft_steps
-            if (step + 1) % cfg.run.sft_eval_every == 0 or last:
-                acc = float(evaluate(trainer.params)["eval_milestones"])
-                history.append({"step": step + 1, "nll": out.metrics["loss"], "accuracy": acc,
-                                "seconds": round(time.time() - t0, 1)})  # fmt: skip
-                log.info("warm start step %d: nll %.4f accuracy %.3f", step + 1,
-                         out.metrics["loss"], acc)  # fmt: skip
-                print(f"warm start step {step + 1}: nll {out.metrics['loss']:.4f} "
-                      f"per-step accuracy {acc:.3f}", flush=True)  # fmt: skip
-                if cfg.run.sft_target_accuracy and acc >= cfg.run.sft_target_accuracy:
-                    break
-        trainer.save(ckpt, {"fingerprint": fp}, wait=True)
-        info = {"fingerprint": fp, "steps": trainer.step, "accuracy": acc, "history": history,
-                "seconds": round(time.time() - t0, 1), "cached": False}  # fmt: skip
-        os.makedirs(folder, exist_ok=True)
-        with open(info_path, "w") as f:
-            json.dump(info, f, indent=2)
-        return trainer.params, info
+            if trainer.step % cfg.run.sft_eval_every and trainer.step < cfg.run.sft_steps:
+                continue
+            acc = float(evaluate(trainer.params)["eval_milestones"])
+            seconds = round(spent + time.time() - t0, 1)
+            info["history"].append({"step": trainer.step, "nll": out.metrics["loss"],
+                                    "accuracy": acc, "seconds": seconds})  # fmt: skip
+            info.update(steps=trainer.step, accuracy=acc, seconds=seconds)
+            print(f"warm start step {trainer.step}: nll {out.metrics['loss']:.4f} "
+                  f"per-step accuracy {acc:.3f}", flush=True)  # fmt: skip
+            trainer.save(ckpt, {"fingerprint": fp}, wait=True)
+            with open(info_path, "w") as f:
+                json.dump(info, f, indent=2)
+        return trainer.params, dict(info, cached=False)
     finally:
         ckpt.close()

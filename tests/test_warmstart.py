@@ -1,0 +1,56 @@
+"""Warm start: demonstration batches mask mistakes; a cached warm start continues exactly."""
+
+import jax
+import numpy as np
+
+import experiments.quickstart as quickstart
+from gyre import mesh
+from gyre.model import decoder
+from gyre.train.warmstart import demo_batch, fingerprint, warm_start
+
+
+def tiny():
+    cfg = quickstart.get_config("tiny")
+    cfg.run.sft_batch, cfg.run.sft_eval_every, cfg.run.sft_mistake_prob = 4, 2, 0.5
+    return cfg
+
+
+def test_demo_batch_weights_sum_to_one_and_skip_wrong_digits():
+    cfg = tiny()
+    batch = demo_batch(cfg, seed=3, n=4)
+    again = demo_batch(cfg.copy_and_resolve_references(), seed=3, n=4)
+    assert np.all(batch.w >= 0) and np.all(batch.adv_neg == 0)
+    np.testing.assert_array_equal(batch.adv_pos, batch.w)
+    # token-mean: weights of every trainable token on the selected paths add to 1, less the
+    # masked digits of wrong commits (there are some at mistake_prob 0.5)
+    assert 0.8 < batch.w.sum() < 1.0 - 1e-6
+    np.testing.assert_array_equal(batch.w, again.w)  # keyed by the seed: reproducible
+
+
+def test_longer_warm_start_continues_a_cached_one_exactly(tmp_path):
+    cfg = tiny()
+    cells = mesh.make_cells(4)
+    graphdef, params = decoder.init_sharded(cfg.model, 0, cells[0], "train")
+    evals = []
+
+    def evaluate(p):
+        evals.append(1)
+        return {"eval_milestones": 0.0}
+
+    cfg.run.sft_steps = 2
+    short, info = warm_start(cfg, cells, graphdef, params, str(tmp_path / "a"), evaluate)
+    assert info["steps"] == 2 and not info["cached"]
+    cfg.run.sft_steps = 4
+    longer, info = warm_start(cfg, cells, graphdef, params, str(tmp_path / "a"), evaluate)
+    assert info["steps"] == 4 and [h["step"] for h in info["history"]] == [2, 4]
+    direct, _ = warm_start(cfg, cells, graphdef, params, str(tmp_path / "b"), evaluate)
+    for a, b in zip(jax.tree.leaves(longer), jax.tree.leaves(direct)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(short), jax.tree.leaves(longer))
+    )
+    again, info = warm_start(cfg, cells, graphdef, params, str(tmp_path / "a"), evaluate)
+    assert info["cached"] and len(evals) == 4  # 2 + 1 (continuation) + 2 (direct), none here
+    cfg.run.sft_steps = 9
+    assert fingerprint(cfg) == info["fingerprint"]  # the stopping rule is not in the key
