@@ -2,7 +2,7 @@
 
 The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k','v'}: [L, S, M, KVH, Dh],
 slots over the cell's 'data' axis via logical 'batch', kv heads over 'model'). Two jit
-programs per cell (see :class:`Programs`), each with one fixed shape: a prefill of one
+programs per cell (see :class:`gyre.rollout.programs.Programs`), each with one fixed shape: a prefill of one
 ``prefill_chunk`` for one slot, and a decode step of one token for every slot at once
 (inactive slots write nowhere and their outputs are ignored). The engine is driven by
 explicit :meth:`Engine.step` calls, so it is deterministic; the proxy drives engines from
@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from gyre import mesh as gmesh
-from gyre.model import decoder as gdec
-from gyre.rollout import sampler
+from gyre.rollout.programs import Programs, programs_for
 from gyre.rollout.types import GenerateRequest, GenerateResponse
 
 
@@ -111,100 +106,6 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
-
-
-class Programs:
-    """The jit programs of one cell (one compile per cell; every shape is fixed)."""
-
-    def __init__(self, cfg, cell: gmesh.Cell):
-        r, spec = cfg.rollout, gdec.ModelSpec.from_config(cfg.model)
-        self.graphdef, abstract_state = gdec.abstract_model(spec)
-        s, m, c = r.slots, r.max_len, r.prefill_chunk
-        cache_shape = (spec.num_layers, s, m, spec.num_kv_heads, spec.head_dim)
-        abstract_cache = {k: jax.ShapeDtypeStruct(cache_shape, spec.dtype) for k in "kv"}
-        rows_axes = ("layers", None, "length", "kv_heads", "head_dim")
-        self.state_sh = gdec.state_shardings(spec, cell, "rollout")
-        self.cache_sh = gmesh.tree_shardings(
-            cell, "rollout", gdec.cache_logical_axes(), abstract_cache
-        )
-        self.rows_sh = {k: gmesh.sharding_for(cell, "rollout", rows_axes) for k in "kv"}
-        rep = NamedSharding(cell.mesh, PartitionSpec())
-        vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
-        base = sampler.base_key(cfg.seed)
-        graphdef, top_p = self.graphdef, float(r.top_p)
-
-        def prefill(state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1, temp_1):
-            pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-            hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_1xC, pos_1xC, cache, slot_1, start_1
-            )
-            h_1x1xD = jnp.take_along_axis(hidden, last_1[:, None, None], axis=1)
-            logits_1xV = gdec.apply_logits(graphdef, state, h_1x1xD)[:, 0]
-            keys = sampler.token_keys(base, hash_1, call_1, start_1 + last_1 + 1)
-            return (cache, *sampler.sample(logits_1xV, keys, temp_1, top_p))
-
-        def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
-            slot_S = jnp.arange(s, dtype=jnp.int32)
-            hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_S[:, None], start_S[:, None], cache, slot_S, start_S
-            )
-            logits_SxV = gdec.apply_logits(graphdef, state, hidden)[:, 0]
-            keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
-            return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
-
-        def read_rows(cache, slot):
-            return {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in cache.items()}
-
-        def write_rows(cache, rows, slot):
-            return {
-                k: jax.lax.dynamic_update_slice_in_dim(v, rows[k].astype(v.dtype), slot, axis=1)
-                for k, v in cache.items()
-            }
-
-        out = (self.cache_sh, rep, rep)
-        self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out)
-        self.decode = jax.jit(
-            decode,
-            donate_argnums=1,
-            in_shardings=(self.state_sh, self.cache_sh, vec, vec, vec, vec, vec),
-            out_shardings=(self.cache_sh, vec, vec),
-        )
-        self.read_rows = jax.jit(read_rows, out_shardings=self.rows_sh)
-        self.write_rows = jax.jit(write_rows, donate_argnums=0, out_shardings=self.cache_sh)
-        zeros = lambda: {k: jnp.zeros(cache_shape, spec.dtype) for k in "kv"}
-        self.new_cache = jax.jit(zeros, out_shardings=self.cache_sh)
-
-
-@functools.lru_cache(maxsize=64)
-def _programs_cached(cell, cfg_holder):
-    return Programs(cfg_holder.cfg, cell)
-
-
-class _CfgHolder:
-    """Hashes a config by the keys the programs depend on."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        r = cfg.rollout
-        self.key = (
-            gdec.ModelSpec.from_config(cfg.model),
-            r.slots,
-            r.max_len,
-            r.prefill_chunk,
-            float(r.top_p),
-            cfg.seed,
-        )
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _CfgHolder) and self.key == other.key
-
-
-def programs_for(cfg, cell: gmesh.Cell) -> Programs:
-    """Programs of ``cell`` for ``cfg``, shared by every engine built for the same pair."""
-    return _programs_cached(cell, _CfgHolder(cfg))
 
 
 class Engine:
