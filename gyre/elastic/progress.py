@@ -7,9 +7,8 @@ import json
 import os
 import time
 
-import numpy as np
-
 from gyre.elastic import workload
+from gyre.rollout.engine import common_prefix
 
 
 class RunLedger:
@@ -95,12 +94,6 @@ class RoleTimeline:
             {"cell": c, "role": r, "start": round(s, 4), "end": round(e, 4)}
             for c, r, s, e in self.all_spans()
         ]
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class TraceWriter:
