@@ -77,11 +77,7 @@ def predict(cfg, trace_path: str, num_cells: int, cost):
     """Simulates the recorded trace under the run's own policy and parameters."""
     from gyre.elastic import policy, sim, workload
 
-    params = policy.PolicyParams(
-        async_rollout_cells=cfg.run.async_rollout_cells,
-        max_staleness=0 if cfg.run.scheduler == "colocate" else cfg.run.max_staleness,
-        slack_cells=cfg.run.slack_cells,
-    )
+    params = policy.PolicyParams.from_run(cfg.run)
     steps = workload.read_trace(trace_path)
     return sim.simulate(steps, num_cells, cfg.run.scheduler, cost, params), steps
 

@@ -165,11 +165,7 @@ def replay_workdir(workdir: str, calibration: str = "cpu_measured"):
 
     with open(os.path.join(workdir, "config.json")) as f:
         run = json.load(f)["run"]
-    params = policy.PolicyParams(
-        async_rollout_cells=run["async_rollout_cells"],
-        max_staleness=0 if run["scheduler"] == "colocate" else run["max_staleness"],
-        slack_cells=run["slack_cells"],
-    )
+    params = policy.PolicyParams.from_run(run)
     cells = len({s.cell for s in read_timeline(workdir)})
     # the controller packs micro-batches per finished task group
     cost = dataclasses.replace(calib.load(calibration), shared_cores=True, pack_by_group=True)

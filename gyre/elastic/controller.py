@@ -130,11 +130,7 @@ class Controller:
         self.cells = mesh.cells_from_config(cfg)
         self.env = make_env(cfg)
         self.policy = policy_fn or policies.POLICIES[cfg.run.scheduler]
-        self.policy_params = policies.PolicyParams(
-            async_rollout_cells=cfg.run.async_rollout_cells,
-            max_staleness=0 if cfg.run.scheduler == "colocate" else cfg.run.max_staleness,
-            slack_cells=cfg.run.slack_cells,
-        )
+        self.policy_params = policies.PolicyParams.from_run(cfg.run)
         self.graphdef, init_params = decoder.init_sharded(
             cfg.model, cfg.seed, self.cells[0], "train"
         )
