@@ -44,6 +44,11 @@ def test_two_step_pulse_of_the_entry_point(shared, tmp_path, scheduler):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["executions"] == 4 for r in rows)
+    trace = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
+    for r in rows:  # throughput counts exactly the completion tokens the trace recorded
+        made = sum(c["completion_tokens"] for ex in trace if ex["step"] == r["step"]
+                   for c in ex["calls"])  # fmt: skip
+        assert r["generated_tokens"] == made > 0
     for name in ("config.json", "summary.json", "learning_curves.png", "roles.png"):
         assert (tmp_path / name).exists(), name
     ledger = [json.loads(line) for line in open(tmp_path / "ledger.jsonl")]

@@ -158,7 +158,6 @@ class Controller:
         self.next_step = self.trainer.version  # one optimizer step per RL step
         self.wake: asyncio.Event | None = None  # made inside the running loop
         self.handovers = collections.Counter()
-        self.generated_tokens = 0
         self._rr = 0
 
     # ------------------------------------------------------------------ policy and roles
@@ -226,7 +225,6 @@ class Controller:
 
         results = list(await asyncio.gather(*(one(k) for k in range(n))))
         work.results += results
-        self.generated_tokens += sum(int(r.completion.size) for res in results for r in res.records)
         traj = [
             TrajResult(res.records, task.task_id, 0.0 if res.score is None else res.score)
             for res in results
@@ -309,6 +307,8 @@ class Controller:
         }
         m.update({f"end_{k}": v for k, v in reasons.items()})
         m["dup_ratio"] = m["flat_tokens"] / max(1, m["unique_tokens"])
+        m["generated_tokens"] = sum(int(r.completion.size) for x in res for r in x.records)
+        m["generated_tokens_per_s"] = m["generated_tokens"] / max(m["step_seconds"], 1e-9)
         if outcome is not None:
             m.update({k: v for k, v in outcome.metrics.items() if np.isscalar(v)})
             m["applied"] = outcome.applied
