@@ -1,16 +1,22 @@
 """The simulator's prediction of a real controller run on this CPU vs its measured wall time.
 
-    python benchmarks/sim_vs_real.py                       # 8 steps x 4 tasks x 2 samples
-    python benchmarks/sim_vs_real.py --steps 6 --tasks 4 --calibration cpu_measured
+    python benchmarks/sim_vs_real.py                       # 16 steps x 4 tasks x 2 samples
+    python benchmarks/sim_vs_real.py --calibration isolated   # or cpu_measured (a file)
 
-1. Runs the real controller in this process (experiments/quickstart.py:tiny, cells of
-   ``--cell_size`` fake CPU devices, the persistent compile cache) and notes the wall time at
-   which every optimizer step (checkpoint included) ends.
-2. Reads the run's own ``trace.jsonl`` and simulates the same executions, with the same
-   policy function and parameters, on the CPU calibration (``benchmarks/calibrate_cpu.py``)
-   in shared-cores mode: every cell runs on the same two cores.
-3. Compares step durations from step 1 on: step 0 includes tracing and loading the compiled
-   programs, which the simulator does not model (it is printed, not compared).
+1. Calibrates (default ``in-situ``): a first controller run with another seed (other tasks)
+   is timed program by program where the programs really run, beside the other cell, the
+   harness and the checkpoint writer, and the cost model is fitted from those timings
+   (:func:`gyre.elastic.calibration.fit_run`). ``isolated`` times each program alone
+   (benchmarks/calibrate_cpu.py); a name loads a calibration file.
+2. Runs the real controller (experiments/quickstart.py:tiny, cells of ``--cell_size`` fake
+   CPU devices) and notes the wall time at which every optimizer step (checkpoint included)
+   ends.
+3. Reads that run's own ``trace.jsonl`` and simulates the same executions, with the same
+   policy function and parameters, in shared-cores mode: every cell runs on the same cores.
+4. Compares step durations from step 1 on: step 0 includes tracing and loading the compiled
+   programs, which the simulator does not model (it is printed, not compared). Also prints
+   the prediction of the model fitted on the measured run itself: the model's structural
+   error, apart from the drift of program speed between two runs on a shared machine.
 
 Prints a per-step table; the last line is one JSON object.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -32,45 +39,108 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.calibrate_cpu import setup, tiny_config  # noqa: E402
 
 
-def _timed(cls, name: str, spent: list) -> None:
-    """Wraps cls.name to add its seconds to spent[-1] (the current step's program time)."""
-    fn = getattr(cls, name)
+class Probe:
+    """Times the programs the controllers of this process run, per engine step and RL step.
 
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spent[-1] += time.perf_counter() - t
+    Rows feed :func:`gyre.elastic.calibration.fit_run` (an in-situ calibration) and the
+    "time inside the modelled programs" figure. Installed once per process (it wraps the
+    classes); ``reset`` starts a new run's rows.
+    """
 
-    setattr(cls, name, wrapper)
+    def __init__(self):
+        from gyre.elastic.controller import Controller
+        from gyre.rollout.engine import Engine
+        from gyre.train.step import Trainer
+
+        self.reset()
+        probe, engine_step, engine_decode = self, Engine.step, Engine._decode
+
+        def step(eng, *a, **k):
+            probe.decode, chunks0, t = (0, 0.0), eng.stats["prefill_chunks"], time.perf_counter()
+            try:
+                return engine_step(eng, *a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                batch, ctx = probe.decode
+                probe.engine_steps.append({
+                    "step": len(probe.steps), "chunks": eng.stats["prefill_chunks"] - chunks0,
+                    "batch": batch, "context_tokens": ctx, "seconds": dt,
+                })  # fmt: skip
+                probe.cur["engine_s"] += dt
+
+        def decode(eng, active, done):
+            probe.decode = (len(active), float(sum(eng.slots[i].length for i in active)))
+            return engine_decode(eng, active, done)
+
+        Engine.step, Engine._decode = step, decode
+        # Gradients dispatch asynchronously; finish_step waits for them, so train_s is whole.
+        for cls, name, key in ((Trainer, "compute_grads", "train_s"),
+                               (Controller, "finish_step", "train_s"),
+                               (Controller, "save", "checkpoint_s")):  # fmt: skip
+            self._wrap(cls, name, key)
+
+    def _wrap(self, cls, name: str, key: str) -> None:
+        fn, probe = getattr(cls, name), self
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                probe.cur[key] += time.perf_counter() - t
+                if name == "compute_grads":
+                    probe.cur["microbatches"] += 1
+
+        setattr(cls, name, wrapper)
+
+    def reset(self) -> None:
+        self.engine_steps: list[dict] = []
+        self.steps: list[dict] = []
+        self.cur = collections.Counter()
+        self.decode = (0, 0.0)
+
+    def end_step(self, wall_s: float) -> None:
+        keys = ("engine_s", "train_s", "checkpoint_s", "microbatches")
+        self.steps.append({"wall_s": wall_s, **{k: self.cur[k] for k in keys}})
+        self.cur = collections.Counter()
 
 
-def run_real(cfg, workdir: str) -> tuple[list[float], list[float], object]:
-    """Runs the controller; -> (wall seconds at each step's end since the run began, seconds
-    spent inside the programs the simulator models per step, ctrl)."""
+def run_real(cfg, workdir: str, probe: Probe) -> tuple[list[float], object]:
+    """Runs the controller; -> (wall seconds at each step's end since the run began, ctrl)."""
     from gyre.elastic.controller import Controller
-    from gyre.rollout.engine import Engine
-    from gyre.train.step import Trainer
 
-    spent = [0.0]
-    # Engine steps, gradients, optimizer + publication, checkpoint: the rest is host overhead.
-    for cls, name in ((Engine, "step"), (Trainer, "compute_grads"),
-                      (Controller, "finish_step"), (Controller, "save")):  # fmt: skip
-        _timed(cls, name, spent)
+    probe.reset()
     ctrl = Controller(cfg, workdir)
     ends: list[float] = []
     t0 = time.perf_counter()
 
     def on_step(_):
         ends.append(time.perf_counter() - t0)
-        spent.append(0.0)
+        probe.end_step(ends[-1] - (ends[-2] if len(ends) > 1 else 0.0))
 
     try:
         asyncio.run(ctrl.run(on_step))
     finally:
         ctrl.ckpt.close()
-    return ends, spent[: len(ends)], ctrl
+    return ends, ctrl
+
+
+def calibrate_in_situ(cfg, args, probe: Probe, base):
+    """A calibration run (another seed: other tasks) -> a cost model fitted from its timings."""
+    from gyre.elastic import calibration, workload
+
+    cal_cfg = cfg.copy_and_resolve_references()
+    cal_cfg.seed = cfg.seed + 1
+    workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_cal_")
+    run_real(cal_cfg, workdir, probe)
+    trace = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
+    steps = [dict(row, calls=sum(len(ex.calls) for ex in batch))
+             for row, batch in zip(probe.steps, trace)]  # fmt: skip
+    # Step 0 loads the compiled programs: left out, as in the comparison.
+    engine_steps = [r for r in probe.engine_steps if r["step"] > 0]
+    source = (f"in situ: timings of a real controller run (seed {cal_cfg.seed}, "
+              f"{args.steps} steps x {args.tasks} tasks) by benchmarks/sim_vs_real.py")  # fmt: skip
+    return calibration.fit_run(engine_steps, steps[1:], base, source)
 
 
 def predict(cfg, trace_path: str, num_cells: int, cost):
@@ -84,13 +154,13 @@ def predict(cfg, trace_path: str, num_cells: int, cost):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--cell_size", type=int, default=4)
-    ap.add_argument("--calibration", default="cpu_measured")
+    ap.add_argument("--calibration", default="in-situ",
+                    help="'in-situ' (fit from a calibration run in this process), 'isolated' "
+                    "(time the programs alone in this process) or a calibration file")  # fmt: skip
     ap.add_argument("--cache_dir", default="/tmp/xcache")
-    ap.add_argument("--calibrate", action="store_true",
-                    help="re-time the programs in this process first (same machine load)")  # fmt: skip
     args = ap.parse_args()
     cfg = tiny_config(args.cell_size, args.cache_dir)
     cfg.run.steps, cfg.run.tasks_per_step = args.steps, args.tasks
@@ -98,24 +168,41 @@ def main() -> None:
     setup(cfg, workdir)
     from gyre.elastic import calibration
 
-    if args.calibrate:
+    probe = Probe()
+    # Slots, chunk, switch costs and the shared-cores setting of the committed CPU file.
+    base = dataclasses.replace(calibration.load("cpu_measured"), shared_cores=True)
+    if args.calibration == "in-situ":
+        cost = calibrate_in_situ(cfg, args, probe, base)
+    elif args.calibration == "isolated":
         from benchmarks.calibrate_cpu import calibrate
 
         cost = calibration.from_dict(calibrate(args.cell_size, 3, args.cache_dir))
-        args.calibration = "fresh, in-process"
     else:
         cost = calibration.load(args.calibration)
-    if not cost.shared_cores:
-        cost = dataclasses.replace(cost, shared_cores=True)
-    cost = dataclasses.replace(cost, pack_by_group=True)  # the controller packs per task group
+    cost = dataclasses.replace(cost, shared_cores=True, pack_by_group=True)  # as the controller
 
-    ends, spent, ctrl = run_real(cfg, workdir)
+    ends, ctrl = run_real(cfg, workdir, probe)
     res, steps = predict(cfg, os.path.join(workdir, "trace.jsonl"), len(ctrl.cells), cost)
     measured, predicted = np.diff(ends), np.diff(res.step_end_s)
+    spent = [r["engine_s"] + r["train_s"] + r["checkpoint_s"] for r in probe.steps]
     calls = [sum(len(ex.calls) for ex in b) for b in steps]
     tokens = [sum(ex.train_tokens for ex in b) for b in steps]
+    # The model fitted on this run's own timings: its error is the model's structure alone,
+    # without the drift of the programs' speed between two runs.
+    own = calibration.fit_run(
+        [r for r in probe.engine_steps if r["step"] > 0],
+        [dict(r, calls=c) for r, c in zip(probe.steps[1:], calls[1:])],
+        cost,
+        "this run",
+    )
+    own_p = float(np.diff(predict(cfg, os.path.join(workdir, "trace.jsonl"), len(ctrl.cells),
+                                  own)[0].step_end_s).sum())  # fmt: skip
     print(f"real run: {len(ctrl.cells)} cells, policy {cfg.run.scheduler}, calibration "
           f"{args.calibration!r} ({cost.source})")  # fmt: skip
+    print("cost model (ms): " + ", ".join(
+        f"{k} {getattr(cost, k) * 1e3:.3f}" for k in (
+            "decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "prefill_call_s",
+            "microbatch_s", "optimizer_s", "publish_s", "checkpoint_s")))  # fmt: skip
     print(f"step 0 (not compared: includes program load): measured {ends[0]:.3f} s, "
           f"simulated {res.step_end_s[0]:.3f} s")  # fmt: skip
     print(f"{'step':>4} {'execs':>5} {'calls':>5} {'tokens':>6} {'measured s':>10} "
@@ -132,8 +219,11 @@ def main() -> None:
           f", max {per_step.max():.1%}; check |error| <= 15%: "
           f"{'pass' if abs(err) <= 0.15 else 'FAIL'}")  # fmt: skip
     print(f"time inside the modelled programs: {in_programs:.3f} s ({in_programs / total_m:.0%} of"
-          f" measured); host overhead not in the cost model: {total_m - in_programs:.3f} s; "
-          f"prediction vs in-program time {(total_p - in_programs) / in_programs:+.1%}")  # fmt: skip
+          f" measured); host time outside them: {total_m - in_programs:.3f} s")  # fmt: skip
+    print(
+        f"fitted on this run's own timings the model predicts {own_p:.3f} s "
+        f"({(own_p - total_m) / total_m:+.1%}): the model's own error, without drift between runs"
+    )
     print(json.dumps({
         "steps_compared": len(measured), "cells": len(ctrl.cells),
         "measured_s": round(total_m, 4), "predicted_s": round(total_p, 4),
@@ -143,6 +233,7 @@ def main() -> None:
         "predicted_step_s": [round(float(x), 4) for x in predicted],
         "first_step_measured_s": round(ends[0], 4), "within_15pct": bool(abs(err) <= 0.15),
         "in_programs_s": round(in_programs, 4), "calibration": args.calibration,
+        "predicted_own_fit_s": round(own_p, 4), "own_fit_rel_error": round((own_p - total_m) / total_m, 4),
     }))  # fmt: skip
 
 

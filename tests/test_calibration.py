@@ -139,3 +139,44 @@ def test_cpu_calibration_file_loads_with_its_source():
     assert "calibrate_cpu.py" in cost.source
     assert cost.shared_cores and cost.prefill_chunk > 0 and cost.decode_base_s > 0
     assert cost.microbatch_s > 0 and cost.checkpoint_s > 0
+
+
+def test_fit_run_recovers_a_known_model_from_run_timings():
+    truth = dataclasses.replace(
+        COST, prefill_chunk=64, decode_per_ctx_token_s=1e-6, train_per_token_s=0.0,
+        prefill_call_s=0.002, microbatch_s=0.03, checkpoint_s=0.2,
+    )  # fmt: skip
+    engine_steps, steps = [], []
+    for s in range(4):
+        engine_s = 0.0
+        for b, chunks in ((1, 0), (3, 0), (8, 0), (2, 1), (5, 3), (0, 2)):
+            ctx = 40.0 * b + 100.0 * s  # independent of the batch across steps
+            t = chunks * 64 * truth.prefill_per_token_s
+            t += truth.decode_step_s(b, ctx) if b else 0.0
+            engine_steps.append({"step": s, "chunks": chunks, "batch": b, "context_tokens": ctx,
+                                 "seconds": t})  # fmt: skip
+            engine_s += t
+        calls, mbs = 6 + s, 4
+        train_s = mbs * truth.microbatch_s
+        wall = engine_s + train_s + truth.checkpoint_s + calls * truth.prefill_call_s
+        steps.append({"wall_s": wall, "engine_s": engine_s, "train_s": train_s,
+                      "checkpoint_s": truth.checkpoint_s, "microbatches": mbs, "calls": calls})  # fmt: skip
+    base = dataclasses.replace(truth, decode_base_s=9.0, microbatch_s=9.0, prefill_per_token_s=9.0)
+    cost = calibration.fit_run(engine_steps, steps, base, "test")
+    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s",
+                 "prefill_per_token_s", "prefill_call_s", "microbatch_s", "checkpoint_s"):  # fmt: skip
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert cost.slots == truth.slots and cost.source == "test"
+
+
+def test_fit_run_names_what_it_lacks():
+    base = dataclasses.replace(COST, prefill_chunk=64)
+    step = {"wall_s": 1, "engine_s": 0, "train_s": 0, "checkpoint_s": 0, "microbatches": 0,
+            "calls": 1}  # fmt: skip
+    one = [{"step": 1, "chunks": 0, "batch": 1, "context_tokens": 5.0, "seconds": 0.01}]
+    with pytest.raises(ValueError, match="at least 3 pure decode steps"):
+        calibration.fit_run(one, [step], base, "x")
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        calibration.fit_run(one * 3, [step], COST, "x")
+    with pytest.raises(ValueError, match="needs engine steps"):
+        calibration.fit_run([], [step], base, "x")

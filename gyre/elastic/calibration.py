@@ -171,3 +171,59 @@ def measurements(
             {"tokens": n, "seconds": jitter(n * cost.train_per_token_s)} for n in (1024, 65536)
         ],
     }
+
+
+def fit_run(engine_steps: list[dict], steps: list[dict], base: CostModel, source: str) -> CostModel:
+    """Fits a cost model from the timings of a real controller run (in situ).
+
+    The programs are timed where they run, beside the other cells, the harness and the
+    checkpoint writer, so the model includes what isolated timings miss. ``engine_steps``:
+    one row per ``Engine.step``: chunks (prefill chunks it ran), batch and context_tokens
+    (its decode, batch 0 for none) and seconds. ``steps``: one row per RL step: wall_s,
+    engine_s, train_s (gradient dispatch + optimizer step + publication), checkpoint_s,
+    microbatches and calls. Fitted:
+
+    - decode: least squares of the pure-decode engine steps (base + per_seq * batch +
+      per_ctx * context), as in :func:`fit`;
+    - prefill: the rest of the prefilling engine steps' time, per chunk token (ratio of sums);
+    - train: a fixed cost per micro-batch (the programs have fixed shapes) that carries the
+      optimizer and the publication too;
+    - checkpoint: the mean save;
+    - host time outside every program (the harness, the trajectory processor, the event
+      loop): a fixed cost per model call, as ``prefill_call_s``.
+
+    Means, not medians: the prediction is of a total, and the total carries the bursts.
+    Everything else (slots, chunk, switch costs, ...) comes from ``base``.
+    """
+    if not steps or not engine_steps:
+        raise ValueError("fit_run needs engine steps and RL steps to fit")
+    chunk = base.prefill_chunk
+    if chunk <= 0:
+        raise ValueError("fit_run models the engine's chunked prefill: base.prefill_chunk > 0")
+    rows = np.array([[r["chunks"], r["batch"], r["context_tokens"], r["seconds"]]
+                     for r in engine_steps], float)  # fmt: skip
+    dec = rows[(rows[:, 0] == 0) & (rows[:, 1] > 0)]
+    if len(dec) < 3:
+        raise ValueError(f"fit_run needs at least 3 pure decode steps, got {len(dec)}")
+    design = np.column_stack([np.ones(len(dec)), dec[:, 1], dec[:, 2]])
+    coef, *_ = np.linalg.lstsq(design, dec[:, 3], rcond=None)
+    d_base, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
+    pre = rows[rows[:, 0] > 0]
+    decode_s = np.where(pre[:, 1] > 0, d_base + per_seq * pre[:, 1] + per_ctx * pre[:, 2], 0.0)
+    per_token = max(float(np.sum(pre[:, 3] - decode_s)), 0.0) / (chunk * pre[:, 0].sum() or 1)
+    total = lambda key: float(sum(s[key] for s in steps))
+    host = total("wall_s") - total("engine_s") - total("train_s") - total("checkpoint_s")
+    return dataclasses.replace(
+        base,
+        decode_base_s=d_base,
+        decode_per_seq_s=per_seq,
+        decode_per_ctx_token_s=per_ctx,
+        prefill_per_token_s=per_token,
+        prefill_call_s=max(host, 0.0) / max(total("calls"), 1),
+        train_per_token_s=0.0,
+        microbatch_s=total("train_s") / max(total("microbatches"), 1),
+        optimizer_s=0.0,
+        publish_s=0.0,
+        checkpoint_s=total("checkpoint_s") / len(steps),
+        source=source,
+    )
