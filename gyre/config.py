@@ -119,6 +119,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.run.sft_eval_every = 50
     c.run.sft_mistake_prob = 0.1
     c.run.warmstart_dir = ""  # cache of the warm start ("" = <workdir>/warmstart)
+    # Seed of the warm start (initial weights, demonstrations); -1 = ``seed``. Set it to vary
+    # the RL seed over one cached warm start.
+    c.run.sft_seed = -1
     return c
 
 

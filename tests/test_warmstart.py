@@ -54,3 +54,14 @@ def test_longer_warm_start_continues_a_cached_one_exactly(tmp_path):
     assert info["cached"] and len(evals) == 4  # 2 + 1 (continuation) + 2 (direct), none here
     cfg.run.sft_steps = 9
     assert fingerprint(cfg) == info["fingerprint"]  # the stopping rule is not in the key
+
+
+def test_sft_seed_keys_the_warm_start_apart_from_the_rl_seed():
+    cfg = tiny()
+    base = fingerprint(cfg)
+    cfg.run.sft_seed = cfg.seed  # explicit, same seed: same cache
+    assert fingerprint(cfg) == base
+    cfg.seed = 7  # another RL seed over the same warm start
+    assert fingerprint(cfg) == base
+    cfg.run.sft_seed = 7
+    assert fingerprint(cfg) != base

@@ -10,7 +10,8 @@ import time
 from gyre import plots
 from gyre.elastic.controller import Controller
 from gyre.metrics import MetricsWriter, progress_line, read_metrics
-from gyre.train.warmstart import warm_start
+from gyre.model import decoder
+from gyre.train.warmstart import sft_seed, warm_start
 
 
 def train_and_evaluate(cfg, workdir: str) -> dict:
@@ -22,8 +23,11 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     eval_n = cfg.run.eval_tasks
     if fresh and cfg.run.sft_steps:
         folder = cfg.run.warmstart_dir or os.path.join(workdir, "warmstart")
+        init = ctrl.trainer.params
+        if sft_seed(cfg) != cfg.seed:  # the warm start begins from its own seed's weights
+            init = decoder.init_sharded(cfg.model, sft_seed(cfg), ctrl.cells[0], "train")[1]
         params, info = warm_start(
-            cfg, ctrl.cells, ctrl.graphdef, ctrl.trainer.params, folder,
+            cfg, ctrl.cells, ctrl.graphdef, init, folder,
             lambda p: ctrl.evaluate_sync(p, max(eval_n, 16), cfg.seed + 1),
         )  # fmt: skip
         ctrl.install(params)

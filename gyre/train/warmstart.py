@@ -61,6 +61,11 @@ def demo_batch(cfg, seed: int, n: int) -> PackedBatch:
     return batch._replace(w=w, adv_pos=w, adv_neg=np.zeros_like(w))
 
 
+def sft_seed(cfg) -> int:
+    """The warm start's seed: ``run.sft_seed``, or ``seed`` when that is -1."""
+    return cfg.seed if cfg.run.sft_seed < 0 else cfg.run.sft_seed
+
+
 def fingerprint(cfg) -> str:
     """What the warm start's trajectory depends on: model, task, demonstrations, SFT settings.
 
@@ -71,7 +76,7 @@ def fingerprint(cfg) -> str:
         "model": cfg.model.to_dict(),
         "env": {k: cfg.env[k] for k in ("name", "num_ops", "modulus")},
         "sft": {k: cfg.run[k] for k in ("sft_batch", "sft_lr", "sft_mistake_prob")},
-        "seed": cfg.seed,
+        "seed": sft_seed(cfg),
         "context_window": cfg.agent.context_window,
         "row_len": cfg.trajectory.row_len,
     }
@@ -85,6 +90,9 @@ def _done(cfg, steps: int, accuracy: float) -> bool:
 
 def warm_start(cfg, cells, graphdef, params, folder: str, evaluate) -> tuple[object, dict]:
     """Returns (params, info). ``evaluate(params) -> dict`` with 'eval_milestones' in [0, 1].
+
+    ``params`` (the starting weights of a fresh warm start) must be initialised from
+    ``sft_seed(cfg)``: the cache is keyed by that seed.
 
     A cached warm start in ``folder`` with the same fingerprint is loaded, and continued if
     it stopped short of ``run.sft_steps`` without reaching the target accuracy. Progress is
@@ -109,7 +117,7 @@ def warm_start(cfg, cells, graphdef, params, folder: str, evaluate) -> tuple[obj
         t0, spent = time.time(), info["seconds"]
         while not _done(cfg, trainer.step, info["accuracy"]):
             step = trainer.step
-            batch = demo_batch(cfg, seed=cfg.seed * 1_000_003 + step, n=cfg.run.sft_batch)
+            batch = demo_batch(cfg, seed=sft_seed(cfg) * 1_000_003 + step, n=cfg.run.sft_batch)
             out = trainer.train_step(cells, batch)
             if trainer.step % cfg.run.sft_eval_every and trainer.step < cfg.run.sft_steps:
                 continue
