@@ -97,6 +97,7 @@ def apply_variant(c, variant: str) -> None:
         c.run.sft_steps, c.run.warmstart_dir = 3250, "workdirs/warmstart3250"
         c.run.scheduler, c.mesh.cpu_devices, c.mesh.cell_size = "colocate", 1, 1
         c.run.eval_tasks = 1024
+        c.run.sft_seed = 0  # --config.seed=N changes the RL seed only, over one warm start
     elif variant == "tiny":
         c.model.d_model, c.model.num_layers, c.model.d_ff = 32, 1, 64
         c.model.num_heads, c.model.num_kv_heads, c.model.head_dim = 2, 2, 16
