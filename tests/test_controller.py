@@ -13,7 +13,7 @@ import pytest
 import experiments.quickstart as quickstart
 from gyre import run
 from gyre.elastic import policy as policies
-from gyre.elastic.controller import Controller
+from gyre.elastic.controller import Controller, signal_fraction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,6 +49,7 @@ def test_two_step_pulse_of_the_entry_point(shared, tmp_path, scheduler):
         made = sum(c["completion_tokens"] for ex in trace if ex["step"] == r["step"]
                    for c in ex["calls"])  # fmt: skip
         assert r["generated_tokens"] == made > 0
+        assert 0.0 <= r["signal_groups"] <= 1.0
     for name in ("config.json", "summary.json", "learning_curves.png", "roles.png"):
         assert (tmp_path / name).exists(), name
     ledger = [json.loads(line) for line in open(tmp_path / "ledger.jsonl")]
@@ -131,3 +132,16 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
     assert _losses(killed) == _losses(whole)
     # At ratio 1 a mean-centred loss is 0; the gradient is not (else this test is vacuous).
     assert any(g for _, _, g, _ in _losses(whole)), "zero gradients: nothing was learned"
+
+
+def test_signal_fraction_counts_groups_whose_rewards_differ():
+    from types import SimpleNamespace as NS
+
+    def res(task, score):
+        return NS(task=NS(task_id=task), score=score)
+
+    results = [res("a/0", 1.0), res("a/1", 0.5),  # differ
+               res("b/0", 0.0), res("b/1", None),  # an infra error scores 0: same
+               res("c/x/0", 0.25), res("c/x/1", 0.25)]  # fmt: skip
+    assert signal_fraction(results) == pytest.approx(1 / 3)
+    assert signal_fraction([]) == 0.0

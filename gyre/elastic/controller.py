@@ -52,6 +52,17 @@ log = logging.getLogger(__name__)
 _UNSCALED = ("version_lag_max", "tokens")
 
 
+def signal_fraction(results) -> float:
+    """Fraction of task groups whose rewards differ (the groups that carry a learning signal).
+
+    Samples of one task have ids '<task>/<k>'; an infrastructure error scores 0, as in training.
+    """
+    groups = collections.defaultdict(set)
+    for r in results:
+        groups[r.task.task_id.rsplit("/", 1)[0]].add(round(r.score or 0.0, 9))
+    return float(np.mean([len(v) > 1 for v in groups.values()])) if groups else 0.0
+
+
 @dataclasses.dataclass
 class StepWork:
     """One optimizer step's executions and training, from dispatch to update."""
@@ -296,6 +307,7 @@ class Controller:
             "success": float(np.mean([r.end_reason == "success" for r in res])) if res else 0.0,
             "partial": float(np.mean(partial)) if partial else 0.0,
             "milestones": float(np.mean([r.milestones / max(1, r.num_milestones) for r in res])),
+            "signal_groups": signal_fraction(res),
             "executions": len(res),
             "unique_tokens": sum(r.unique_tokens for r in work.reports),
             "flat_tokens": sum(r.flat_tokens for r in work.reports),
