@@ -12,7 +12,7 @@ Variants (``:arg``), one change each for ablations:
     :tiny                            a two-step pulse for tests
     :ledger48                        the recorded result: a long warm start (cached in
                                      workdirs/warmstart), then 48 steps of 16 tasks x 8
-    :ledger48mid                     the same from a weaker warm start (3,250 steps), where
+    :ledger48mid                     the same from a weaker warm start (2,750 steps), where
                                      partial credit is compared with binary reward
 Variants combine with commas, e.g. the BENCHMARKS.md runs:
     python launch.py --config=experiments/quickstart.py:ledger48,partial --workdir=workdirs/l48p
@@ -89,12 +89,12 @@ def apply_variant(c, variant: str) -> None:
         c.run.steps, c.run.tasks_per_step, c.run.samples_per_task = 48, 16, 8
         c.run.eval_tasks, c.run.eval_every = 256, 16
     elif variant == "ledger48mid":
-        # The partial-vs-binary comparison: a weaker warm start (3,250 steps: per-step
-        # accuracy ~0.7, success ~10%), where binary reward leaves many groups without a
-        # reward difference. Colocated on one CPU device (2x faster here than 4 cells of 2:
-        # the cells only share the same cores; on-policy, results equal the elastic run's).
+        # The partial-vs-binary comparison: a weaker warm start (2,750 steps on one device:
+        # per-step accuracy ~0.7), where binary reward leaves many groups without a reward
+        # difference. Colocated on one CPU device (2x faster here than 4 cells of 2: the
+        # cells only share the same cores; on-policy, results equal the elastic run's).
         apply_variant(c, "ledger48")
-        c.run.sft_steps, c.run.warmstart_dir = 3250, "workdirs/warmstart3250"
+        c.run.sft_steps, c.run.warmstart_dir = 2750, "workdirs/warmstart2750"
         c.run.scheduler, c.mesh.cpu_devices, c.mesh.cell_size = "colocate", 1, 1
         c.run.eval_tasks = 1024
         c.run.sft_seed = 0  # --config.seed=N changes the RL seed only, over one warm start
