@@ -134,14 +134,16 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
     assert any(g for _, _, g, _ in _losses(whole)), "zero gradients: nothing was learned"
 
 
-def test_signal_fraction_counts_groups_whose_rewards_differ():
+def test_signal_fraction_counts_groups_whose_trained_rewards_differ():
     from types import SimpleNamespace as NS
 
-    def res(task, score):
-        return NS(task=NS(task_id=task), score=score)
+    def res(task, reason, score):
+        return NS(task=NS(task_id=task), end_reason=reason, score=score)
 
-    results = [res("a/0", 1.0), res("a/1", 0.5),  # differ
-               res("b/0", 0.0), res("b/1", None),  # an infra error scores 0: same
-               res("c/x/0", 0.25), res("c/x/1", 0.25)]  # fmt: skip
-    assert signal_fraction(results) == pytest.approx(1 / 3)
+    results = [res("a/0", "success", 1.0), res("a/1", "timeout", 0.5),  # differ in both
+               res("b/0", "failure", 0.25), res("b/1", "timeout", 0.5),  # partial only
+               res("b/2", "infra_error", None),  # never trained: left out
+               res("c/x/0", "failure", 0.25), res("c/x/1", "failure", 0.25)]  # fmt: skip
+    assert signal_fraction(results, "partial") == pytest.approx(2 / 3)
+    assert signal_fraction(results, "binary") == pytest.approx(1 / 3)
     assert signal_fraction([]) == 0.0

@@ -45,6 +45,7 @@ from gyre.train.checkpoint import Checkpointer
 from gyre.train.step import GradResult, Trainer, split_microbatches
 from gyre.trajectory import ExecutionResult as TrajResult
 from gyre.trajectory import build_batch
+from gyre.trajectory.advantages import execution_score
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,18 @@ log = logging.getLogger(__name__)
 _UNSCALED = ("version_lag_max", "tokens")
 
 
-def signal_fraction(results) -> float:
-    """Fraction of task groups whose rewards differ (the groups that carry a learning signal).
+def signal_fraction(results, reward: str = "partial") -> float:
+    """Fraction of task groups whose trained rewards differ (those that carry a signal).
 
-    Samples of one task have ids '<task>/<k>'; an infrastructure error scores 0, as in training.
+    Samples of one task have ids '<task>/<k>'; ``reward`` is trajectory.reward (binary counts
+    success only); infrastructure errors are never trained on and are left out.
     """
     groups = collections.defaultdict(set)
     for r in results:
-        groups[r.task.task_id.rsplit("/", 1)[0]].add(round(r.score or 0.0, 9))
+        score = execution_score(r.end_reason, r.score or 0.0, reward=reward)
+        group = groups[r.task.task_id.rsplit("/", 1)[0]]
+        if score is not None:
+            group.add(round(score, 9))
     return float(np.mean([len(v) > 1 for v in groups.values()])) if groups else 0.0
 
 
@@ -307,7 +312,7 @@ class Controller:
             "success": float(np.mean([r.end_reason == "success" for r in res])) if res else 0.0,
             "partial": float(np.mean(partial)) if partial else 0.0,
             "milestones": float(np.mean([r.milestones / max(1, r.num_milestones) for r in res])),
-            "signal_groups": signal_fraction(res),
+            "signal_groups": signal_fraction(res, self.cfg.trajectory.reward),
             "executions": len(res),
             "unique_tokens": sum(r.unique_tokens for r in work.reports),
             "flat_tokens": sum(r.flat_tokens for r in work.reports),
