@@ -7,8 +7,9 @@ Each argument is LABEL=WORKDIR[,WORKDIR...] (one workdir per seed). Reads each r
 ``metrics.jsonl`` and ``summary.json`` (held-out greedy evaluation before RL is in the
 summary, later ones in the metrics rows) and prints, per run and per label (mean over seeds):
 held-out success at every evaluation, milestones (per-step accuracy) before and after,
-training success over the first and last 8 steps, the share of task groups whose rewards
-differ (those that carry a learning signal), and wall time. The difference between the
+training success over the first and last 8 steps, the share of task groups with both a
+success and a failure (the only groups a binary reward learns from; from trace.jsonl), and
+wall time. The difference between the
 first two labels comes with its standard error (binomial on the evaluation tasks, seeds
 averaged). Saves the curves to ``--out``; the last line is one JSON object.
 """
@@ -51,12 +52,28 @@ def load_run(workdir: str) -> dict:
         "first": float(success[:WINDOW].mean()),
         "last": float(success[-WINDOW:].mean()),
         "steps": len(rows),
-        # groups whose rewards differ (the ones that carry a signal), mean over steps
-        "signal": float(np.mean([r.get("signal_groups", np.nan) for r in rows])),
+        "mixed": mixed_success_share(workdir),
         "wall_s": summary.get("wall_seconds"),
         "step_s": float(np.median([r["step_seconds"] for r in rows])),
         "warm_start": summary.get("warm_start", {}),
     }
+
+
+def mixed_success_share(workdir: str) -> float:
+    """Share of task groups (over all steps) with both a success and a failure, from the
+    run's trace.jsonl: the groups a binary reward can learn from (partial credit also
+    separates groups without a success). Infrastructure errors are left out."""
+    groups: dict = {}
+    path = os.path.join(workdir, "trace.jsonl")
+    if not os.path.exists(path):
+        return float("nan")
+    with open(path) as f:
+        for line in f:
+            ex = json.loads(line)
+            reason = ex["measured"]["end_reason"]
+            if reason != "infra_error":
+                groups.setdefault((ex["step"], ex["group"]), set()).add(reason == "success")
+    return float(np.mean([len(v) == 2 for v in groups.values()])) if groups else float("nan")
 
 
 def parse(args: list[str]) -> dict[str, list[str]]:
@@ -105,7 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     groups = {label: [load_run(d) for d in dirs] for label, dirs in parse(args.runs).items()}
     print(f"{'run':>28} {'eval success at step':>40} {'milestones':>15} "
-          f"{'train first/last':>17} {'signal':>6} {'wall min':>8} {'s/step':>6}")  # fmt: skip
+          f"{'train first/last':>17} {'mixed':>6} {'wall min':>8} {'s/step':>6}")  # fmt: skip
     out = {}
     for label, runs in groups.items():
         for run in runs:
@@ -113,7 +130,7 @@ def main() -> None:
             ms = f"{run['evals'][0][2]:.3f}->{run['evals'][-1][2]:.3f}"
             wall = (run["wall_s"] or 0) / 60
             print(f"{label + ' ' + os.path.basename(run['workdir']):>28} {ev:>40} {ms:>15} "
-                  f"{run['first']:>8.1%}/{run['last']:<8.1%} {run['signal']:>6.0%} {wall:>8.1f} {run['step_s']:>6.1f}")  # fmt: skip
+                  f"{run['first']:>8.1%}/{run['last']:<8.1%} {run['mixed']:>6.0%} {wall:>8.1f} {run['step_s']:>6.1f}")  # fmt: skip
         n = min(len(r["evals"]) for r in runs)
         curve = np.mean([np.array(r["evals"][:n]) for r in runs], axis=0)
         out[label] = {
@@ -124,7 +141,7 @@ def main() -> None:
             "train_success_first": round(float(np.mean([r["first"] for r in runs])), 4),
             "train_success_last": round(float(np.mean([r["last"] for r in runs])), 4),
             "wall_minutes": round(float(np.mean([(r["wall_s"] or 0) / 60 for r in runs])), 1),
-            "signal_groups": round(float(np.mean([r["signal"] for r in runs])), 4),
+            "mixed_success_groups": round(float(np.mean([r["mixed"] for r in runs])), 4),
         }
         o = out[label]
         print(f"{label + ' (mean)':>28} {' '.join(f'{s}:{x:.1%}' for s, x in zip(o['eval_steps'], o['eval_success'])):>40} "

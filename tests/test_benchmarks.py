@@ -36,7 +36,7 @@ def fake_run(path, seed: int, success: list[float], evals: dict[int, tuple[float
     os.makedirs(path)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         for step, s in enumerate(success):
-            row = {"step": step, "success": s, "step_seconds": 2.0, "signal_groups": 0.5}
+            row = {"step": step, "success": s, "step_seconds": 2.0}
             if step + 1 in evals:
                 row["eval_success"], row["eval_milestones"] = evals[step + 1]
             f.write(json.dumps(row) + "\n")
@@ -45,6 +45,12 @@ def fake_run(path, seed: int, success: list[float], evals: dict[int, tuple[float
         json.dump({"eval_start": start, "wall_seconds": 120.0}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"seed": seed, "run": {"eval_tasks": 100}}, f)
+    with open(os.path.join(path, "trace.jsonl"), "w") as f:  # group 0 mixed, group 1 not
+        for group, reasons in enumerate((("success", "failure", "infra_error"),
+                                         ("failure", "timeout", "infra_error"))):  # fmt: skip
+            for reason in reasons:
+                ex = {"step": 0, "group": group, "measured": {"end_reason": reason}}
+                f.write(json.dumps(ex) + "\n")
     return str(path)
 
 
@@ -56,7 +62,7 @@ def test_reward_ablation_averages_seeds_and_reports_the_difference(tmp_path):
     out = last_json(["benchmarks/reward_ablation.py", f"partial={p0},{p1}", f"binary={b0}",
                      "--out", str(tmp_path / "cmp.png")])  # fmt: skip
     assert out["partial"]["eval_steps"] == [0, 8, 16] and out["partial"]["seeds"] == 2
-    assert out["binary"]["signal_groups"] == 0.5
+    assert out["binary"]["mixed_success_groups"] == 0.5
     assert out["partial"]["eval_success"] == [0.1, 0.25, 0.5]
     assert (
         out["partial"]["train_success_first"] == 0.0 and out["partial"]["train_success_last"] == 1.0
