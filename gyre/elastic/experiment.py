@@ -28,7 +28,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
             init = decoder.init_sharded(cfg.model, sft_seed(cfg), ctrl.cells[0], "train")[1]
         params, info = warm_start(
             cfg, ctrl.cells, ctrl.graphdef, init, folder,
-            lambda p: ctrl.evaluate_sync(p, max(eval_n, 16), cfg.seed + 1),
+            # keyed by the warm start's seed: its stopping rule may read this evaluation
+            lambda p: ctrl.evaluate_sync(p, max(eval_n, 16), sft_seed(cfg) + 1),
         )  # fmt: skip
         ctrl.install(params)
         summary["warm_start"] = {k: v for k, v in info.items() if k != "history"}
