@@ -73,13 +73,20 @@ def _median(meas: dict, key: str, field: str) -> float:
     return float(np.median(vals)) if vals else 0.0
 
 
-def fit(meas: dict) -> CostModel:
-    """Least-squares fit of a cost model from measured timings (``kind: measured``)."""
-    dec = _rows(meas, "decode", ("batch", "context_tokens", "step_s"))
+def _fit_decode(dec: np.ndarray) -> tuple[float, float, float]:
+    """(base, per_seq, per_ctx) by least squares over rows (batch, context_tokens, seconds)."""
     design = np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]])
     coef, *_ = np.linalg.lstsq(design, dec[:, 2], rcond=None)
     # A negative coefficient is noise around zero; clipping keeps the cost monotone.
     base, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
+    return base, per_seq, per_ctx
+
+
+def fit(meas: dict) -> CostModel:
+    """Least-squares fit of a cost model from measured timings (``kind: measured``)."""
+    base, per_seq, per_ctx = _fit_decode(
+        _rows(meas, "decode", ("batch", "context_tokens", "step_s"))
+    )
     prefill = _rows(meas, "prefill", ("tokens", "seconds"))
     train = _rows(meas, "train", ("tokens", "seconds"))
     fields = dict(decode_base_s=base, decode_per_seq_s=per_seq, decode_per_ctx_token_s=per_ctx)
@@ -205,9 +212,7 @@ def fit_run(engine_steps: list[dict], steps: list[dict], base: CostModel, source
     dec = rows[(rows[:, 0] == 0) & (rows[:, 1] > 0)]
     if len(dec) < 3:
         raise ValueError(f"fit_run needs at least 3 pure decode steps, got {len(dec)}")
-    design = np.column_stack([np.ones(len(dec)), dec[:, 1], dec[:, 2]])
-    coef, *_ = np.linalg.lstsq(design, dec[:, 3], rcond=None)
-    d_base, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
+    d_base, per_seq, per_ctx = _fit_decode(dec[:, 1:])
     pre = rows[rows[:, 0] > 0]
     decode_s = np.where(pre[:, 1] > 0, d_base + per_seq * pre[:, 1] + per_ctx * pre[:, 2], 0.0)
     per_token = max(float(np.sum(pre[:, 3] - decode_s)), 0.0) / (chunk * pre[:, 0].sum() or 1)
