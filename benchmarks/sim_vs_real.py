@@ -125,31 +125,39 @@ def run_real(cfg, workdir: str, probe: Probe) -> tuple[list[float], object]:
     return ends, ctrl
 
 
+def fit_probe(probe: Probe, trace: list, base, source: str):
+    """A cost model fitted from the probe's timings of the run that wrote ``trace``.
+
+    Step 0 loads the compiled programs: left out, as in the comparison.
+    """
+    from gyre.elastic import calibration
+
+    steps = [dict(row, calls=sum(len(ex.calls) for ex in batch))
+             for row, batch in zip(probe.steps, trace)]  # fmt: skip
+    engine_steps = [r for r in probe.engine_steps if r["step"] > 0]
+    return calibration.fit_run(engine_steps, steps[1:], base, source)
+
+
 def calibrate_in_situ(cfg, args, probe: Probe, base):
     """A calibration run (another seed: other tasks) -> a cost model fitted from its timings."""
-    from gyre.elastic import calibration, workload
+    from gyre.elastic import workload
 
     cal_cfg = cfg.copy_and_resolve_references()
     cal_cfg.seed = cfg.seed + 1
     workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_cal_")
     run_real(cal_cfg, workdir, probe)
     trace = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    steps = [dict(row, calls=sum(len(ex.calls) for ex in batch))
-             for row, batch in zip(probe.steps, trace)]  # fmt: skip
-    # Step 0 loads the compiled programs: left out, as in the comparison.
-    engine_steps = [r for r in probe.engine_steps if r["step"] > 0]
     source = (f"in situ: timings of a real controller run (seed {cal_cfg.seed}, "
               f"{args.steps} steps x {args.tasks} tasks) by benchmarks/sim_vs_real.py")  # fmt: skip
-    return calibration.fit_run(engine_steps, steps[1:], base, source)
+    return fit_probe(probe, trace, base, source)
 
 
-def predict(cfg, trace_path: str, num_cells: int, cost):
-    """Simulates the recorded trace under the run's own policy and parameters."""
-    from gyre.elastic import policy, sim, workload
+def predict(cfg, steps: list, num_cells: int, cost):
+    """Simulates the recorded executions under the run's own policy and parameters."""
+    from gyre.elastic import policy, sim
 
-    params = policy.PolicyParams.from_run(cfg.run)
-    steps = workload.read_trace(trace_path)
-    return sim.simulate(steps, num_cells, cfg.run.scheduler, cost, params), steps
+    return sim.simulate(steps, num_cells, cfg.run.scheduler, cost,
+                        policy.PolicyParams.from_run(cfg.run))  # fmt: skip
 
 
 def main() -> None:
@@ -166,7 +174,7 @@ def main() -> None:
     cfg.run.steps, cfg.run.tasks_per_step = args.steps, args.tasks
     workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_")
     setup(cfg, workdir)
-    from gyre.elastic import calibration
+    from gyre.elastic import calibration, workload
 
     probe = Probe()
     # Slots, chunk, switch costs and the shared-cores setting of the committed CPU file.
@@ -182,21 +190,16 @@ def main() -> None:
     cost = dataclasses.replace(cost, shared_cores=True, pack_by_group=True)  # as the controller
 
     ends, ctrl = run_real(cfg, workdir, probe)
-    res, steps = predict(cfg, os.path.join(workdir, "trace.jsonl"), len(ctrl.cells), cost)
+    steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
+    res = predict(cfg, steps, len(ctrl.cells), cost)
     measured, predicted = np.diff(ends), np.diff(res.step_end_s)
     spent = [r["engine_s"] + r["train_s"] + r["checkpoint_s"] for r in probe.steps]
     calls = [sum(len(ex.calls) for ex in b) for b in steps]
     tokens = [sum(ex.train_tokens for ex in b) for b in steps]
     # The model fitted on this run's own timings: its error is the model's structure alone,
     # without the drift of the programs' speed between two runs.
-    own = calibration.fit_run(
-        [r for r in probe.engine_steps if r["step"] > 0],
-        [dict(r, calls=c) for r, c in zip(probe.steps[1:], calls[1:])],
-        cost,
-        "this run",
-    )
-    own_p = float(np.diff(predict(cfg, os.path.join(workdir, "trace.jsonl"), len(ctrl.cells),
-                                  own)[0].step_end_s).sum())  # fmt: skip
+    own = fit_probe(probe, steps, cost, "this run")
+    own_p = float(np.diff(predict(cfg, steps, len(ctrl.cells), own).step_end_s).sum())
     print(f"real run: {len(ctrl.cells)} cells, policy {cfg.run.scheduler}, calibration "
           f"{args.calibration!r} ({cost.source})")  # fmt: skip
     print("cost model (ms): " + ", ".join(
