@@ -36,8 +36,8 @@ class Scenario:
 COMMON = (
     "Cost model: roofline projection from published H200 figures (see the calibration file's "
     "'source'); switch costs 8.5 s (rollout->train) and 3.5 s (train->rollout) as reported.",
-    "Policies: async and elastic both bound staleness at 1 step (config run.max_staleness "
-    "default); async splits the cells half/half (run.async_rollout_cells = 0); colocate is "
+    "Policies: async and elastic both bound staleness at 1 step (config scheduler.max_staleness "
+    "default); async splits the cells half/half (scheduler.async_rollout_cells = 0); colocate is "
     "on-policy (staleness 0).",
     "A rollout cell counts as full at (executions per step / cells) executions "
     "(cell_capacity), so one step's batch fills the cluster.",

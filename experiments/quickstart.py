@@ -49,18 +49,18 @@ def get_config(arg=None):
     c.train.lr = 1e-4
     c.train.grad_clip = 1.0
     c.train.rows_per_microbatch = 4
-    c.run.scheduler = "elastic"
-    c.run.max_staleness = 0  # on-policy: a resumed run repeats the uninterrupted one exactly
+    c.scheduler.policy = "elastic"
+    c.scheduler.max_staleness = 0  # on-policy: a resumed run repeats the uninterrupted one exactly
     c.run.steps = 8
     c.run.tasks_per_step = 8
     c.run.samples_per_task = 4
-    c.run.sft_steps = 200
-    c.run.sft_batch = 32
-    c.run.sft_lr = 2e-3
-    c.run.sft_eval_every = 100
-    c.run.sft_target_accuracy = 0.9
-    c.run.eval_tasks = 32
-    c.run.eval_every = 4
+    c.sft.steps = 200
+    c.sft.batch = 32
+    c.sft.lr = 2e-3
+    c.sft.eval_every = 100
+    c.sft.target_accuracy = 0.9
+    c.eval.tasks = 32
+    c.eval.every = 4
     for variant in (arg or "").split(","):
         apply_variant(c, variant)
     return c
@@ -70,9 +70,9 @@ def apply_variant(c, variant: str) -> None:
     if not variant:
         return
     if variant in ("colocate", "async", "elastic"):
-        c.run.scheduler = variant
+        c.scheduler.policy = variant
         if variant == "async":
-            c.run.max_staleness = 1
+            c.scheduler.max_staleness = 1
     elif variant == "flat":
         c.trajectory.packing = "flat"
     elif variant in ("binary", "partial"):
@@ -84,20 +84,20 @@ def apply_variant(c, variant: str) -> None:
     elif variant == "ledger48":
         # Warm start measured here: per-step accuracy (greedy milestones) 0.54 after 2,000
         # steps, 0.73 after 3,250, 0.93 after 3,500 (~60 CPU-minutes, once; cached).
-        c.run.sft_steps, c.run.sft_eval_every = 3500, 250
-        c.run.warmstart_dir = "workdirs/warmstart"
+        c.sft.steps, c.sft.eval_every = 3500, 250
+        c.sft.dir = "workdirs/warmstart"
         c.run.steps, c.run.tasks_per_step, c.run.samples_per_task = 48, 16, 8
-        c.run.eval_tasks, c.run.eval_every = 256, 16
+        c.eval.tasks, c.eval.every = 256, 16
     elif variant == "ledger48mid":
         # The partial-vs-binary comparison: a weaker warm start (2,750 steps on one device:
         # per-step accuracy ~0.7), where binary reward leaves many groups without a reward
         # difference. Colocated on one CPU device (2x faster here than 4 cells of 2: the
         # cells only share the same cores; on-policy, results equal the elastic run's).
         apply_variant(c, "ledger48")
-        c.run.sft_steps, c.run.warmstart_dir = 2750, "workdirs/warmstart2750"
-        c.run.scheduler, c.mesh.cpu_devices, c.mesh.cell_size = "colocate", 1, 1
-        c.run.eval_tasks = 1024
-        c.run.sft_seed = 0  # --config.seed=N changes the RL seed only, over one warm start
+        c.sft.steps, c.sft.dir = 2750, "workdirs/warmstart2750"
+        c.scheduler.policy, c.mesh.cpu_devices, c.mesh.cell_size = "colocate", 1, 1
+        c.eval.tasks = 1024
+        c.sft.seed = 0  # --config.seed=N changes the RL seed only, over one warm start
     elif variant == "tiny":
         c.model.d_model, c.model.num_layers, c.model.d_ff = 32, 1, 64
         c.model.num_heads, c.model.num_kv_heads, c.model.head_dim = 2, 2, 16
@@ -106,7 +106,7 @@ def apply_variant(c, variant: str) -> None:
         c.trajectory.row_len = 256
         c.env.num_ops = 4
         c.run.steps, c.run.tasks_per_step, c.run.samples_per_task = 2, 2, 2
-        c.run.sft_steps, c.run.eval_tasks, c.run.eval_every = 0, 0, 0
-        c.run.sft_batch = 16
+        c.sft.steps, c.eval.tasks, c.eval.every = 0, 0, 0
+        c.sft.batch = 16
     else:
         raise ValueError(f"unknown quickstart variant {variant!r}; see the module docstring")

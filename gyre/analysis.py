@@ -164,13 +164,14 @@ def replay_workdir(workdir: str, calibration: str = "cpu_measured"):
     from gyre.elastic import policy, sim, workload
 
     with open(os.path.join(workdir, "config.json")) as f:
-        run = json.load(f)["run"]
-    params = policy.PolicyParams.from_run(run)
+        scheduler = json.load(f)["scheduler"]
+    fields = {f.name for f in dataclasses.fields(policy.PolicyParams)}
+    params = policy.PolicyParams(**{k: v for k, v in scheduler.items() if k in fields})
     cells = len({s.cell for s in read_timeline(workdir)})
     # the controller packs micro-batches per finished task group
     cost = dataclasses.replace(calib.load(calibration), shared_cores=True, pack_by_group=True)
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    return sim.simulate(steps, cells, run["scheduler"], cost, params)
+    return sim.simulate(steps, cells, scheduler["policy"], cost, params)
 
 
 # ---------------------------------------------------------------- trees
@@ -286,19 +287,15 @@ def packing_sweep(results: Sequence, row_lens: Sequence[int] = (128, 256, 512),
                   max_paths: int = 5, rows_per_microbatch: int = 1) -> list[dict]:  # fmt: skip
     """Packs harness results with ``build_batch`` for tree and flat packing at each row length:
     rows, real and padded positions, padding share and loss-bearing tokens per row."""
-    from gyre.config import default_config
     from gyre.envs.vocab import VOCAB_SIZE
-    from gyre.trajectory.batch import ExecutionResult, build_batch
+    from gyre.trajectory.batch import TrajectorySpec, build_batch
 
-    items = [ExecutionResult(r.records, r.task.task_id, r.score or 0.0) for r in results]
     out = []
     for row_len in row_lens:
         for packing in ("tree", "flat"):
-            cfg = default_config()
-            cfg.model.vocab_size = VOCAB_SIZE
-            cfg.trajectory.update(row_len=row_len, packing=packing, max_paths=max_paths)
-            cfg.train.rows_per_microbatch = rows_per_microbatch
-            batch, report = build_batch(items, cfg)
+            spec = TrajectorySpec(VOCAB_SIZE, max_paths=max_paths, row_len=row_len,
+                                  packing=packing, rows_per_microbatch=rows_per_microbatch)  # fmt: skip
+            batch, report = build_batch(results, spec)
             rows = batch.tokens.shape[0]
             out.append(dict(
                 row_len=row_len, packing=packing, rows=rows, rejected=len(report.rejected),

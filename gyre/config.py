@@ -1,8 +1,8 @@
-"""Defaults, validation and derived fields for every Gyre run.
+"""Defaults and validation for every Gyre run: the only module that defines config keys.
 
 An experiment file (``experiments/NAME.py``) starts from :func:`default_config` and
 changes what it needs. :func:`validate` then checks the result against the defaults:
-an unknown or misspelled key, a value of the wrong type, or an impossible cell layout
+an unknown or misspelled key, a value of the wrong type, or an unknown choice
 is a one-line ``ConfigError`` that names the key.
 """
 
@@ -12,13 +12,14 @@ import difflib
 
 import ml_collections
 
-ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
-LOSS_MODES = ("token-mean", "sequence-mean", "two-level")
-SCHEDULERS = ("colocate", "async", "elastic")
+from gyre.elastic.policy import POLICIES
+from gyre.envs.registry import ENVIRONMENTS
+from gyre.errors import ConfigError
+from gyre.rollout.types import HANDOVERS
+from gyre.trajectory.advantages import LOSS_MODES, REWARDS
+from gyre.trajectory.batch import PACKINGS
 
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the offending key."""
+__all__ = ["ConfigError", "default_config", "validate"]
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -99,29 +100,38 @@ def default_config() -> ml_collections.ConfigDict:
     c.env.tool_latency = 0.0  # mean seconds; 0 = instant
     c.env.partial_scale = 0.5  # partial credit = scale * fraction of milestones
 
+    # What the experiment does; run.entry names the library function (see gyre/run.py).
     c.run = ml_collections.ConfigDict()
-    c.run.entry = "rl"  # library function launch.py calls; see gyre/run.py ENTRIES
-    c.run.scheduler = "elastic"
-    c.run.steps = 2
+    c.run.entry = "rl"
+    c.run.steps = 2  # optimizer steps (one RL step each)
     c.run.tasks_per_step = 4
-    c.run.samples_per_task = 4
-    c.run.max_staleness = 1
-    c.run.async_rollout_cells = 0  # fixed split for the async scheduler; 0 = half
-    c.run.sft_steps = 0
-    c.run.sft_target_accuracy = 0.0
-    c.run.eval_tasks = 0
-    c.run.switch_cost_s = 0.0
-    c.run.handover = "migrate"  # live requests of a cell leaving rollout: migrate or retry
-    c.run.slack_cells = 1  # elastic: spare rollout cells kept beyond the outstanding work
-    c.run.eval_every = 0  # greedy held-out evaluation every N steps (0: start and end only)
-    c.run.sft_batch = 16  # demonstrations per warm-start step
-    c.run.sft_lr = 1e-3
-    c.run.sft_eval_every = 50
-    c.run.sft_mistake_prob = 0.1
-    c.run.warmstart_dir = ""  # cache of the warm start ("" = <workdir>/warmstart)
+    c.run.samples_per_task = 4  # executions per task (a group for the advantages)
+
+    c.scheduler = ml_collections.ConfigDict()
+    c.scheduler.policy = "elastic"  # colocate, async or elastic (gyre/elastic/policy.py)
+    c.scheduler.max_staleness = 1  # bound on step - weight version at dispatch
+    c.scheduler.async_rollout_cells = 0  # fixed split for the async policy; 0 = half
+    c.scheduler.slack_cells = 1  # elastic: spare rollout cells kept beyond the outstanding work
+    c.scheduler.switch_cost_s = 0.0  # seconds a role switch is assumed to cost
+    c.scheduler.handover = "migrate"  # live requests of a cell leaving rollout: migrate or retry
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.tasks = 0  # greedy held-out tasks per evaluation (0: no evaluation)
+    c.eval.every = 0  # evaluate every N steps (0: before and after RL only)
+
+    # Supervised warm start on expert demonstrations (gyre/rl/warmstart.py), cached by its
+    # fingerprint in sft.dir.
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 0  # 0: no warm start
+    c.sft.target_accuracy = 0.0  # stop early at this held-out per-step accuracy
+    c.sft.batch = 16  # demonstrations per step
+    c.sft.lr = 1e-3
+    c.sft.eval_every = 50
+    c.sft.mistake_prob = 0.1  # share of demonstration steps with a corrected near miss
+    c.sft.dir = ""  # cache of warm starts ("" = <workdir>/warmstart)
     # Seed of the warm start (initial weights, demonstrations); -1 = ``seed``. Set it to vary
     # the RL seed over one cached warm start.
-    c.run.sft_seed = -1
+    c.sft.seed = -1
     return c
 
 
@@ -153,47 +163,25 @@ def _check_choice(cfg, path: str, choices) -> None:
         )
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first bad key; returns None for a runnable config."""
     _check_tree(cfg, default_config(), "")
     _check_choice(cfg, "trajectory.loss_mode", LOSS_MODES)
-    _check_choice(cfg, "trajectory.packing", ("tree", "flat"))
-    _check_choice(cfg, "trajectory.reward", ("partial", "binary"))
-    _check_choice(cfg, "run.scheduler", SCHEDULERS)
-    _check_choice(cfg, "run.handover", ("migrate", "retry"))
+    _check_choice(cfg, "trajectory.packing", PACKINGS)
+    _check_choice(cfg, "trajectory.reward", REWARDS)
+    _check_choice(cfg, "scheduler.policy", tuple(POLICIES))
+    _check_choice(cfg, "scheduler.handover", HANDOVERS)
+    _check_choice(cfg, "env.name", tuple(ENVIRONMENTS))
     _check_choice(cfg, "model.attention", ("block_sparse", "dense"))
     _check_choice(cfg, "model.dtype", ("float32", "bfloat16"))
-    m = cfg.model
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"config key 'model.num_kv_heads' ({m.num_kv_heads}) must divide "
-            f"model.num_heads ({m.num_heads})"
-        )
-    if cfg.trajectory.row_len % 128:
-        raise ConfigError(
-            f"config key 'trajectory.row_len' must be a multiple of 128, got {cfg.trajectory.row_len}"
-        )
-    if cfg.mesh.cell_size < 1:
-        raise ConfigError(f"config key 'mesh.cell_size' must be >= 1, got {cfg.mesh.cell_size}")
-    if num_devices is not None:
-        n = cfg.mesh.num_devices or num_devices
-        if n > num_devices:
-            raise ConfigError(
-                f"config key 'mesh.num_devices' ({n}) exceeds the {num_devices} visible devices"
-            )
-        if n % cfg.mesh.cell_size:
-            raise ConfigError(
-                f"config key 'mesh.cell_size' ({cfg.mesh.cell_size}) does not divide the {n} devices"
-            )
-        mp = cfg.mesh.model_parallel
-        if mp < 1 or cfg.mesh.cell_size % mp:
-            raise ConfigError(
-                f"config key 'mesh.model_parallel' ({mp}) must divide mesh.cell_size "
-                f"({cfg.mesh.cell_size})"
-            )
+    # Checks that need one part's settings only live in that part's spec (ModelSpec,
+    # TrajectorySpec, TrainerSpec, ...) and in mesh.make_cells: the builder turns their errors
+    # into ConfigErrors. Checked here: what crosses two sections.
+    mp = cfg.mesh.model_parallel
+    if mp >= 1:
         for key in ("num_kv_heads", "num_heads", "d_ff"):
-            if m[key] % mp:
+            if cfg.model[key] % mp:
                 raise ConfigError(
-                    f"config key 'model.{key}' ({m[key]}) is not divisible by "
+                    f"config key 'model.{key}' ({cfg.model[key]}) is not divisible by "
                     f"mesh.model_parallel ({mp})"
                 )

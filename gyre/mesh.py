@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from gyre.config import ConfigError
+from gyre.errors import ConfigError
 
 AXES = ("data", "model")
 ROLES = ("train", "rollout")
@@ -53,6 +53,16 @@ RULES: dict[str, dict[str, str | None]] = {
         "layers": None,
     },
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """How the devices are cut: ``num_devices`` (0 = all visible) into cells of ``cell_size``
+    devices, each a ('data', 'model') mesh with ``model_parallel`` devices on 'model'."""
+
+    cell_size: int = 1
+    num_devices: int = 0
+    model_parallel: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +101,17 @@ def make_cells(cell_size: int, model_parallel: int = 1, devices=None) -> list[Ce
     return cells
 
 
-def cells_from_config(cfg) -> list[Cell]:
-    devices = jax.devices()
-    if cfg.mesh.num_devices:
-        if cfg.mesh.num_devices > len(devices):
+def cells_for(spec: MeshSpec, devices=None) -> list[Cell]:
+    """The cells of ``spec`` over ``devices`` (default: all visible devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if spec.num_devices:
+        if spec.num_devices > len(devices):
             raise ConfigError(
-                f"config key 'mesh.num_devices' ({cfg.mesh.num_devices}) exceeds the "
+                f"config key 'mesh.num_devices' ({spec.num_devices}) exceeds the "
                 f"{len(devices)} visible devices"
             )
-        devices = devices[: cfg.mesh.num_devices]
-    return make_cells(cfg.mesh.cell_size, cfg.mesh.model_parallel, devices)
+        devices = devices[: spec.num_devices]
+    return make_cells(spec.cell_size, spec.model_parallel, devices)
 
 
 def logical_to_spec(logical: tuple | PartitionSpec | None, role: str) -> PartitionSpec:

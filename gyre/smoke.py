@@ -15,15 +15,15 @@ from gyre.metrics import MetricsWriter
 from gyre.model import decoder
 
 
-def run(cfg, workdir: str) -> dict:
+def run(mesh_spec: mesh.MeshSpec, model: decoder.ModelSpec, seed: int, workdir: str) -> dict:
     t0 = time.time()
-    cells = mesh.cells_from_config(cfg)
+    cells = mesh.cells_for(mesh_spec)
     train_cell, rollout_cell = cells[0], cells[-1]
-    graphdef, state = decoder.init_sharded(cfg.model, cfg.seed, train_cell, "train")
+    graphdef, state = decoder.init_sharded(model, seed, train_cell, "train")
 
     batch, length = 2 * train_cell.mesh.shape["data"], 32
-    rng = np.random.default_rng(cfg.seed)
-    tokens = rng.integers(0, cfg.model.vocab_size, (batch, length), dtype=np.int32)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, model.vocab_size, (batch, length), dtype=np.int32)
     pos = np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length))
     leave = np.full((batch, length), length, np.int32)  # causal rows
     data = mesh.sharding_for(train_cell, "train", ("batch", None))

@@ -4,10 +4,18 @@ import ml_collections
 import pytest
 
 from gyre.config import ConfigError, default_config, validate
+from gyre.mesh import cells_for
+from gyre.rl.builder import build_specs
+
+
+def check(cfg):
+    """What run.py and the builder check before a run starts (on the 8 test devices)."""
+    validate(cfg)
+    cells_for(build_specs(cfg).mesh)
 
 
 def test_defaults_validate():
-    validate(default_config(), num_devices=8)
+    check(default_config())
 
 
 def test_unknown_key_is_named_with_suggestion():
@@ -65,7 +73,11 @@ def test_int_accepted_for_float():
         ({"model.num_kv_heads": 3}, "model.num_kv_heads"),
         ({"trajectory.row_len": 100}, "trajectory.row_len"),
         ({"trajectory.loss_mode": "mean"}, "trajectory.loss_mode"),
-        ({"run.scheduler": "fifo"}, "run.scheduler"),
+        ({"scheduler.policy": "fifo"}, "scheduler.policy"),
+        ({"env.name": "chess"}, "env.name"),
+        ({"train.rows_per_microbatch": 0}, "train.rows_per_microbatch"),
+        ({"train.clip_low": 1.5}, "train.clip_low"),
+        ({"run.steps": 0}, "steps"),
     ],
 )
 def test_impossible_layouts_and_choices(updates, match):
@@ -74,4 +86,19 @@ def test_impossible_layouts_and_choices(updates, match):
         section, key = path.split(".")
         cfg[section][key] = value
     with pytest.raises(ConfigError, match=match):
-        validate(cfg, num_devices=8)
+        check(cfg)
+
+
+def test_every_choice_list_has_one_owner():
+    """The config's choices are the parts' own lists, not copies."""
+    from gyre.elastic.policy import POLICIES
+    from gyre.envs.registry import ENVIRONMENTS
+
+    for name in POLICIES:
+        cfg = default_config()
+        cfg.scheduler.policy = name
+        check(cfg)
+    for name in ENVIRONMENTS:
+        cfg = default_config()
+        cfg.env.name = name
+        validate(cfg)

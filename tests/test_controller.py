@@ -13,7 +13,9 @@ import pytest
 import experiments.quickstart as quickstart
 from gyre import run
 from gyre.elastic import policy as policies
-from gyre.elastic.controller import Controller, signal_fraction
+from gyre.rl.builder import build_runtime, build_specs
+from gyre.rl.controller import Controller
+from gyre.rl.work import signal_fraction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +31,7 @@ def tiny(shared, **overrides):
     cfg = quickstart.get_config("tiny")
     cfg.mesh.cell_size = 4  # two cells: fewer programs to compile
     cfg.mesh.cache_dir = shared["cache"]
-    cfg.run.warmstart_dir = shared["warm"]
+    cfg.sft.dir = shared["warm"]
     for path, value in overrides.items():
         section, key = path.split(".")
         cfg[section][key] = value
@@ -38,7 +40,7 @@ def tiny(shared, **overrides):
 
 @pytest.mark.parametrize("scheduler", ["colocate", "async", "elastic"])
 def test_two_step_pulse_of_the_entry_point(shared, tmp_path, scheduler):
-    cfg = tiny(shared, **{"run.scheduler": scheduler, "run.max_staleness": 1})
+    cfg = tiny(shared, **{"scheduler.policy": scheduler, "scheduler.max_staleness": 1})
     summary = run.main(cfg, str(tmp_path))
     assert summary["final_version"] == 2 and summary["steps"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -72,39 +74,41 @@ def _switchy(snap, params):
     return policies.Allocation(tuple(roles), "random switches", base.dispatch)
 
 
-def _records(ctrl):
+def _records(cfg, workdir, policy_fn):
+    """Runs the controller alone; -> {execution id: [(call id, completion tokens)]}."""
+    ctrl = Controller(build_runtime(build_specs(cfg), workdir), policy_fn=policy_fn)
     out = {}
-    for step in ctrl.history:
-        for res in step:
+
+    async def collect(record):
+        for res in record.results:
             assert res.execution_id not in out, "an execution finished twice"
             out[res.execution_id] = [(r.call_id, r.completion.tolist()) for r in res.records]
-    return out
+
+    asyncio.run(ctrl.run(collect))
+    return ctrl, out
 
 
 @pytest.mark.parametrize("mode", ["migrate", "retry"])
 def test_random_role_switches_lose_nothing_and_change_no_token(shared, tmp_path, mode):
     cfg = tiny(shared, **{"rollout.temperature": 0.0, "run.steps": 1, "run.tasks_per_step": 3,
-                          "run.handover": mode, "agent.max_calls": 12})  # fmt: skip
-    steady = Controller(cfg, str(tmp_path / "steady"), policy_fn=policies.colocate,
-                        keep_results=True)  # fmt: skip
-    asyncio.run(steady.run())
-    switchy = Controller(cfg, str(tmp_path / "switchy"), policy_fn=_switchy, keep_results=True)
-    asyncio.run(switchy.run())
+                          "scheduler.handover": mode, "agent.max_calls": 12})  # fmt: skip
+    _, a = _records(cfg, str(tmp_path / "steady"), policies.colocate)
+    switchy, b = _records(cfg, str(tmp_path / "switchy"), _switchy)
     assert switchy.timeline.switches >= 5, switchy.timeline.switches  # colocate: 2
-    a, b = _records(steady), _records(switchy)
     assert len(a) == cfg.run.tasks_per_step * cfg.run.samples_per_task
     assert a == b
 
 
-def _launch(workdir, shared, steps, env=None):
-    args = [sys.executable, "launch.py", "--config=experiments/quickstart.py:tiny",
+def _launch(workdir, shared, steps, kill_after=0):
+    script = ["tests/killable_launch.py", f"--kill_after_microbatches={kill_after}"]
+    args = [sys.executable, *(script if kill_after else ["launch.py"]),
+            "--config=experiments/quickstart.py:tiny",
             f"--workdir={workdir}", f"--config.run.steps={steps}", "--config.mesh.cell_size=4",
             f"--config.mesh.cache_dir={shared['cache']}",
-            f"--config.run.warmstart_dir={shared['warm']}", "--config.run.sft_steps=120",
-            "--config.run.sft_lr=3e-3", "--config.run.sft_eval_every=120",
-            "--config.run.eval_tasks=4", "--config.run.tasks_per_step=4"]  # fmt: skip
-    return subprocess.run(args, cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+            f"--config.sft.dir={shared['warm']}", "--config.sft.steps=120",
+            "--config.sft.lr=3e-3", "--config.sft.eval_every=120",
+            "--config.eval.tasks=4", "--config.run.tasks_per_step=4"]  # fmt: skip
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def _ledger(workdir):
@@ -122,7 +126,7 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
     done = _launch(whole, shared, steps=3)
     assert done.returncode == 0, done.stderr[-2000:]
     # Killed by SIGKILL after the 5th micro-batch: inside step 1, after step 0's checkpoint.
-    dead = _launch(killed, shared, steps=3, env={"GYRE_KILL_AFTER_MICROBATCHES": "5"})
+    dead = _launch(killed, shared, steps=3, kill_after=5)
     assert dead.returncode == -9, dead.stderr[-2000:]
     assert [row["step"] for row in _ledger(killed)] == [0]
     again = _launch(killed, shared, steps=3)
@@ -138,12 +142,12 @@ def test_signal_fraction_counts_groups_whose_trained_rewards_differ():
     from types import SimpleNamespace as NS
 
     def res(task, reason, score):
-        return NS(task=NS(task_id=task), end_reason=reason, score=score)
+        return NS(task_id=task, end_reason=reason, score=score)
 
-    results = [res("a/0", "success", 1.0), res("a/1", "timeout", 0.5),  # differ in both
-               res("b/0", "failure", 0.25), res("b/1", "timeout", 0.5),  # partial only
-               res("b/2", "infra_error", None),  # never trained: left out
-               res("c/x/0", "failure", 0.25), res("c/x/1", "failure", 0.25)]  # fmt: skip
+    results = [res("a", "success", 1.0), res("a", "timeout", 0.5),  # differ in both
+               res("b", "failure", 0.25), res("b", "timeout", 0.5),  # partial only
+               res("b", "infra_error", None),  # never trained: left out
+               res("c/x", "failure", 0.25), res("c/x", "failure", 0.25)]  # fmt: skip
     assert signal_fraction(results, "partial") == pytest.approx(2 / 3)
     assert signal_fraction(results, "binary") == pytest.approx(1 / 3)
     assert signal_fraction([]) == 0.0

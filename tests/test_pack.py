@@ -6,10 +6,9 @@ from hypothesis import strategies as st
 from strategies import batches, branchy_execution
 
 from gyre.trajectory.advantages import path_coefficients
+from oracles import ancestors_from_leave, clipped_objective
 from gyre.trajectory.pack import (
-    ancestors_from_leave,
     build_forest,
-    clipped_objective,
     flatten,
     pack,
     rows_for,

@@ -19,7 +19,8 @@ class Ended(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class AgentSettings:
-    """Harness limits; built from ``cfg.agent`` (plus rollout.max_new_tokens, env.partial_scale)."""
+    """Harness limits (frozen). The builder makes it from ``cfg.agent`` plus
+    rollout.max_new_tokens and env.partial_scale."""
 
     max_calls: int = 64
     max_tokens: int = 100_000  # generated tokens per execution
@@ -33,25 +34,17 @@ class AgentSettings:
     partial_scale: float = 0.5
     vocab_size: int = 0  # 0: the environment's vocabulary
 
-    @classmethod
-    def coerce(cls, cfg, env=None, **overrides) -> AgentSettings:
-        """From AgentSettings, a full config (uses its agent/rollout/env sections) or cfg.agent."""
-        if isinstance(cfg, AgentSettings):
-            s = dataclasses.replace(cfg, **overrides)
-        else:
-            section = cfg.agent if "agent" in cfg else cfg
-            names = [f.name for f in dataclasses.fields(cls)]
-            kw = {k: section[k] for k in section.keys() if k in names}
-            if "rollout" in cfg:
-                kw["max_new_tokens"] = cfg.rollout.max_new_tokens
-            if "env" in cfg:
-                kw["partial_scale"] = cfg.env.partial_scale
-            s = cls(**{**kw, **overrides})
-        if s.vocab_size == 0 and env is not None:
-            s = dataclasses.replace(s, vocab_size=env.vocab_size)
-        if s.max_calls < 1 or s.max_new_tokens < 1 or s.concurrency < 1 or s.max_retries < 0:
-            raise ValueError(f"AgentSettings: limits must be positive, got {s}")
-        return s
+    def __post_init__(self):
+        if self.max_calls < 1 or self.max_new_tokens < 1 or self.concurrency < 1:
+            raise ValueError(f"AgentSettings: limits must be positive, got {self}")
+        if self.max_retries < 0 or self.infra_retries < 0:
+            raise ValueError(f"AgentSettings: retry budgets must be >= 0, got {self}")
+
+    def for_env(self, env) -> AgentSettings:
+        """These settings with the environment's vocabulary when none is set."""
+        if self.vocab_size or env is None:
+            return self
+        return dataclasses.replace(self, vocab_size=env.vocab_size)
 
 
 class CallLog:

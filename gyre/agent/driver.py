@@ -39,21 +39,20 @@ def tree_stats(records) -> dict:
     return dict(paths=len(lengths), unique_tokens=tree.num_nodes, flat_tokens=int(sum(lengths)))
 
 
-def run_scripted_harness(cfg) -> dict:
-    """Runs tasks_per_step x samples_per_task executions; prints a table, returns the figures."""
-    env = LedgerEnv.from_config(cfg)
-    m, seed = cfg.env.modulus, cfg.seed
-    slip = min(0.05, 1.0 / cfg.env.num_ops)  # about one near miss per execution
+def run_scripted_harness(env: LedgerEnv, settings: AgentSettings, seed: int, num_tasks: int,
+                         samples_per_task: int) -> dict:  # fmt: skip
+    """Runs num_tasks x samples_per_task executions; prints a table, returns the figures."""
+    m = env.modulus
+    slip = min(0.05, 1.0 / env.num_ops)  # about one near miss per execution
     policies = {
         "expert": LedgerExpert(m, mistake_prob=slip, seed=seed),
         "delegate": LedgerExpert(m, mistake_prob=slip, delegate_prob=0.2, seed=seed),
         "parse-errors": GarbagePolicy(LedgerExpert(m, seed=seed), period=4),
-        "stall": StallPolicy(stop_after=max(1, cfg.env.num_ops // 2), modulus=m),
+        "stall": StallPolicy(stop_after=max(1, env.num_ops // 2), modulus=m),
         "wrong": WrongPolicy(m),
         "env-crash": LedgerExpert(m, seed=seed),
     }
-    tasks = [t for t in env.make_tasks(seed, cfg.run.tasks_per_step)
-             for _ in range(cfg.run.samples_per_task)]  # fmt: skip
+    tasks = [t for t in env.make_tasks(seed, num_tasks) for _ in range(samples_per_task)]
     slots, counts = {}, collections.Counter()
     for j, task in enumerate(tasks):
         slot = MIX[j % len(MIX)]
@@ -65,7 +64,6 @@ def run_scripted_harness(cfg) -> dict:
     faulty = FaultyEnv(
         env, lambda tid, n: "crash" if tid.endswith("-crash") and n == 2 else None, 99
     )
-    settings = AgentSettings.coerce(cfg, env)
     t0 = time.perf_counter()
     results = asyncio.run(run_executions(faulty, tasks, RoutedClient(policies, slots), settings))
     seconds = time.perf_counter() - t0
@@ -90,23 +88,11 @@ def run_scripted_harness(cfg) -> dict:
         max_context=max(r.stats["max_context"] for r in results),
         seconds=round(seconds, 3),
     )
-    print(f"harness on ledger K={cfg.env.num_ops}: {len(results)} executions in {seconds:.2f} s")
+    print(f"harness on ledger K={env.num_ops}: {len(results)} executions in {seconds:.2f} s")
     for reason, n in summary["end_reasons"].items():
         print(f"  {reason:<18} {n:>5}  {n / len(results):6.1%}")
     for key in ("paths", "unique_tokens", "flat_tokens", "flat_over_unique", "calls", "retries",
                 "compactions", "sub_agents", "infra_retries", "mean_score", "max_context"):  # fmt: skip
         print(f"  {key:<18} {summary.get(key, 0):>10.4g}")
     print(json.dumps(summary))
-    return summary
-
-
-def run(cfg, workdir: str) -> dict:
-    """launch.py entry (run.entry = 'harness'): the scripted harness; figures to the workdir."""
-    import json
-    import os
-
-    summary = run_scripted_harness(cfg)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "harness.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
     return summary

@@ -23,7 +23,6 @@ times in a row, or a harness bug). Infra errors get no score and never count as 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import traceback
 
@@ -32,27 +31,7 @@ import numpy as np
 from gyre.agent.context import AgentSettings, CallLog, Ended
 from gyre.envs.base import Environment, Task
 from gyre.rollout.types import GenerateRequest
-from gyre.trajectory.records import CallRecord
-
-
-@dataclasses.dataclass
-class ExecutionResult:
-    """Everything one execution produced. score is None for infrastructure errors."""
-
-    execution_id: str
-    task: Task
-    records: list[CallRecord]
-    end_reason: str
-    score: float | None
-    milestones: int
-    num_milestones: int
-    stats: dict
-
-    def __repr__(self) -> str:  # records are large: never print them
-        return (
-            f"ExecutionResult({self.execution_id!r}, {self.end_reason}, score={self.score}, "
-            f"milestones={self.milestones}/{self.num_milestones}, calls={len(self.records)})"
-        )
+from gyre.trajectory.batch import ExecutionResult
 
 
 class _Execution:
@@ -205,19 +184,24 @@ class _Execution:
             score = self.env.judge(state, reason, self.s.partial_scale)
         stats = dict(self.stats, calls=self.log.num_calls, generated=self.log.generated,
                      detail=detail, seconds=self.clock() - self.t0)  # fmt: skip
-        return ExecutionResult(self.log.execution_id, self.task, self.log.records(reason),
-                               reason, score, done, total, stats)  # fmt: skip
+        return ExecutionResult(self.log.records(reason), self.task.task_id, score,
+                               self.log.execution_id, reason, done, total, stats, self.task)
 
 
-async def run_executions(env: Environment, tasks: list[Task], client, cfg_agent,
+async def run_execution(env: Environment, task: Task, client, settings: AgentSettings,
+                        execution_id: str, clock=time.monotonic) -> ExecutionResult:  # fmt: skip
+    """Runs one execution of ``task`` under ``execution_id`` (which keys its sampling)."""
+    return await _Execution(env, task, client, settings.for_env(env), execution_id, clock).run()
+
+
+async def run_executions(env: Environment, tasks: list[Task], client, settings: AgentSettings,
                          clock=time.monotonic) -> list[ExecutionResult]:  # fmt: skip
     """Runs one execution per entry of ``tasks`` (repeat a task for several samples).
 
-    cfg_agent: the ``cfg.agent`` ConfigDict or an AgentSettings. Execution ids are
-    '<task_id>#<n>' with n counting repeats of the task. Results come back in task order;
-    at most ``concurrency`` executions are in flight.
+    Execution ids are '<task_id>#<n>' with n counting repeats of the task. Results come back
+    in task order; at most ``settings.concurrency`` executions are in flight.
     """
-    settings = AgentSettings.coerce(cfg_agent, env)
+    settings = settings.for_env(env)
     gate = asyncio.Semaphore(settings.concurrency)
     seen: dict[str, int] = {}
     ids = []

@@ -92,15 +92,6 @@ class PolicyParams:
     max_staleness: int = 1
     slack_cells: int = 1
 
-    @classmethod
-    def from_run(cls, run) -> PolicyParams:
-        """From a config's ``run`` section (ConfigDict or dict); colocate is always on-policy."""
-        return cls(
-            async_rollout_cells=run["async_rollout_cells"],
-            max_staleness=0 if run["scheduler"] == "colocate" else run["max_staleness"],
-            slack_cells=run["slack_cells"],
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:

@@ -25,9 +25,9 @@ import dataclasses
 
 import numpy as np
 
-from gyre.agent.grammar import NUM, parse_first
 from gyre.envs import vocab as V
 from gyre.envs.base import Environment, StepResult, Task, ToolCall
+from gyre.envs.grammar import NUM, parse_first
 
 ADD, SUB_OP, MUL = 0, 1, 2
 
@@ -88,14 +88,6 @@ class LedgerEnv(Environment):
         self.num_ops, self.modulus, self.header_ops = num_ops, modulus, header_ops
         self.max_wrong, self.latency, self.latency_dist = max_wrong, latency, latency_dist
         self.tool_timeout = tool_timeout
-
-    @classmethod
-    def from_config(cls, cfg, **overrides) -> LedgerEnv:
-        """From cfg.env; the whole chain is listed when K <= 16, else a 16-step window."""
-        k = cfg.env.num_ops
-        kw = dict(num_ops=k, modulus=cfg.env.modulus, latency=cfg.env.tool_latency,
-                  header_ops=min(k, 16), max_wrong=cfg.agent.max_retries)  # fmt: skip
-        return cls(**{**kw, **overrides})
 
     def make_tasks(self, seed: int, n: int) -> list[Task]:
         seeds = np.random.default_rng(seed).integers(0, 2**31 - 1, size=n)

@@ -1,9 +1,9 @@
 """Runs untrusted Python against hidden tests in a subprocess sandbox.
 
 What is enforced, and how (honestly, without container tooling):
-  - resource limits (setrlimit in the child): CPU seconds (RLIMIT_CPU), address space
-    (RLIMIT_AS), size of any written file (RLIMIT_FSIZE), no core dumps; plus a wall-clock
-    limit after which the whole process group is killed;
+  - resource limits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), size of any written
+    file (RLIMIT_FSIZE), no core dumps; plus a wall-clock limit after which the whole process
+    group (the child runs in a new session) is killed;
   - filesystem: the child runs in a fresh temporary directory; an audit hook installed before
     the solution is imported denies opening files for writing, and removing, renaming,
     linking, chmod-ing or creating anything, outside that directory, and denies
@@ -13,6 +13,16 @@ What is enforced, and how (honestly, without container tooling):
   - network: the child runs in a new network namespace (``unshare -rn``, no interfaces)
     where the OS allows it (``network_isolated()`` says whether it does); the audit hook
     denies sockets regardless.
+How the child starts: never with ``os.fork`` (nor a ``preexec_fn``, which forces one) in this
+process, because JAX is multithreaded here and a forked child that runs Python code before
+exec can deadlock on a lock some other thread held at the fork. The child is spawned with no
+``preexec_fn`` (so CPython's subprocess, 3.10+ on Linux, uses vfork + exec and runs only
+async-signal-safe C code in between) as a tiny trusted launcher, ``python -I -S -B -c
+LAUNCHER``, which sets the rlimits, drops privileges (setgroups, setgid, setuid) and then
+execs ``[unshare -rn] python _runner.py``; rlimits and credentials survive exec, so they hold
+before any untrusted code runs. A launcher that cannot set up exits with LAUNCH_FAILED and a
+marked message, and ``run_tests`` raises OSError (an infrastructure error, not a verdict on
+the code).
 Not enforced: RLIMIT_NPROC (per-user, so it would count unrelated processes; fork is denied
 by the hook instead); the audit hook is a guard against accidental and naive escapes, not a
 determined adversary inside the interpreter (e.g. one that inspects the runner's frames).
@@ -21,11 +31,11 @@ determined adversary inside the interpreter (e.g. one that inspects the runner's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -34,6 +44,29 @@ import tempfile
 
 NOBODY = 65534
 RESULT_MARK = "@@gyre-result@@"
+LAUNCH_MARK = "@@gyre-launch-failed@@"
+LAUNCH_FAILED = 125
+
+# Trusted, runs first in the child: rlimits, then drop privileges, then exec the real command.
+# argv: cpu_seconds memory_bytes file_bytes drop(0/1) program [args...]. Kept tiny: the
+# address-space limit already applies to it once set (exec then starts a fresh image).
+LAUNCHER = rf"""
+import os, resource, sys
+try:
+    cpu, mem, fsize, drop = map(int, sys.argv[1:5])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if drop:
+        os.setgroups([])
+        os.setgid({NOBODY})
+        os.setuid({NOBODY})
+    os.execv(sys.argv[5], sys.argv[5:])
+except BaseException as exc:
+    os.write(2, ("{LAUNCH_MARK}" + repr(exc) + "\n").encode())
+    os._exit({LAUNCH_FAILED})
+"""
 
 RUNNER = (
     r"""
@@ -132,30 +165,28 @@ def interpreter() -> tuple[str, bool]:
     return sys.executable, False
 
 
-def _preexec(limits: SandboxLimits, drop: bool):
-    def setup():
-        cpu = max(1, int(limits.cpu_seconds))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if drop:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+def _launch(python: str, drop: bool, limits: SandboxLimits, argv: list[str]) -> list[str]:
+    """The command that runs ``argv`` (argv[0] an absolute path) under ``limits``, as nobody
+    when ``drop``: the launcher applies both in the child, so the parent never forks."""
+    cpu = max(1, int(limits.cpu_seconds))
+    return [python, "-I", "-S", "-B", "-c", LAUNCHER, str(cpu), str(int(limits.memory_bytes)),
+            str(int(limits.file_bytes)), str(int(drop)), *argv]  # fmt: skip
 
-    return setup
+
+def _unshare() -> str | None:
+    return shutil.which("unshare")
 
 
 @functools.cache
 def network_isolated() -> bool:
     """Whether ``unshare -rn`` works here for the sandbox's user."""
-    if shutil.which("unshare") is None:
+    unshare, true = _unshare(), shutil.which("true")
+    if unshare is None or true is None:
         return False
-    _, drop = interpreter()
+    python, drop = interpreter()
     try:
-        r = subprocess.run(["unshare", "-rn", "true"], preexec_fn=_preexec(SandboxLimits(), drop),
-                           capture_output=True, timeout=10)  # fmt: skip
+        cmd = _launch(python, drop, SandboxLimits(), [unshare, "-rn", true])
+        r = subprocess.run(cmd, capture_output=True, timeout=10, start_new_session=True)
     except (OSError, subprocess.SubprocessError):
         return False
     return r.returncode == 0
@@ -177,24 +208,29 @@ async def run_tests(source: str, function: str, tests, limits: SandboxLimits = S
             f.write(source)
         with open(os.path.join(workdir, "_runner.py"), "w") as f:
             f.write(RUNNER)
-        cmd = [python, "-I", "-S", "-B", "_runner.py"]
-        if network_isolated():
-            cmd = ["unshare", "-rn", *cmd]
+        argv = [python, "-I", "-S", "-B", "_runner.py"]
+        unshare = _unshare() if network_isolated() else None
+        if unshare is not None:
+            argv = [unshare, "-rn", *argv]
+        # No preexec_fn: the launcher applies the limits, so subprocess never forks this
+        # (multithreaded) process; start_new_session makes the child a group leader to kill.
         proc = await asyncio.create_subprocess_exec(
-            *cmd, cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
-            preexec_fn=_preexec(limits, drop), start_new_session=True,
+            *_launch(python, drop, limits, argv), cwd=workdir, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
         )  # fmt: skip
         payload = (json.dumps([function, [list(t) for t in tests]]) + "\n").encode()
         try:
             out, err = await asyncio.wait_for(proc.communicate(payload), limits.wall_seconds)
         except TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             return SandboxResult("timeout", (), f"killed after {limits.wall_seconds} s wall")
-        return _classify(
-            proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
-        )
+        err_text = err.decode(errors="replace")
+        if proc.returncode == LAUNCH_FAILED and err_text.startswith(LAUNCH_MARK):
+            raise OSError(f"sandbox launcher failed: {err_text[len(LAUNCH_MARK) :].strip()}")
+        return _classify(proc.returncode, out.decode(errors="replace"), err_text)
     finally:
         if sandbox_dir is None:
             shutil.rmtree(workdir, ignore_errors=True)

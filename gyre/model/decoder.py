@@ -91,20 +91,6 @@ def rope(x_BxTxHxDh, pos_BxT, theta):
     return x_BxTxHxDh * cos + rotated * sin
 
 
-def _dense_cached_attention(q, k_cache, v_cache, q_index, kv_len):
-    """Fallback: query at cache index i sees cache entries j <= i (j < kv_len)."""
-    j = jnp.arange(k_cache.shape[1])
-    mask_BxTxM = (j[None, None, :] <= q_index[:, :, None]) & (
-        j[None, None, :] < kv_len[:, None, None]
-    )
-    return jax.nn.dot_product_attention(
-        q, k_cache, v_cache, mask=mask_BxTxM[:, None], implementation="xla"
-    )
-
-
-_cached_attention = getattr(attention, "cached_attention", _dense_cached_attention)
-
-
 def _qkv(p, x, pos, cfg, dtype):
     """Pre-norm input -> q[B,T,H,Dh], k/v[B,T,KVH,Dh] with q/k norm and RoPE applied."""
     h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
@@ -126,7 +112,7 @@ def _finish_block(p, x, attn_BxTxHxDh, cfg, dtype):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Hashable copy of the model config (static data of the graphdef)."""
+    """The architecture (frozen, hashable: static data of the graphdef and of jit caches)."""
 
     vocab_size: int
     d_model: int
@@ -142,25 +128,19 @@ class ModelSpec:
     attention: str
     attn_block: int
 
-    @classmethod
-    def from_config(cls, cfg) -> ModelSpec:
-        if isinstance(cfg, cls):
-            return cfg
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in cfg]
-        if missing:
-            raise ValueError(f"model config lacks keys {missing}")
-        return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads ({self.num_heads})"
+            )
 
 
 class Decoder(nnx.Module):
-    """Qwen3 decoder. ``cfg`` is the ``model`` section of gyre.config.default_config()."""
+    """Qwen3 decoder of the architecture ``cfg`` (a :class:`ModelSpec`)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs):
-        cfg = ModelSpec.from_config(cfg)
-        if cfg.num_heads % cfg.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads ({cfg.num_kv_heads}) must divide num_heads ({cfg.num_heads})"
-            )
+    def __init__(self, cfg: ModelSpec, rngs: nnx.Rngs):
+        if not isinstance(cfg, ModelSpec):
+            raise TypeError(f"Decoder takes a ModelSpec, got {type(cfg).__name__}")
         self.cfg = cfg
         self.dtype = jnp.dtype(cfg.dtype)
         v, d = cfg.vocab_size, cfg.d_model
@@ -235,7 +215,7 @@ class Decoder(nnx.Module):
             cv = cv.at[layer, slot_BxT, idx_BxT].set(v.astype(cv.dtype), mode="drop")
             k_BxMxKxDh = ck[layer][slot_B].astype(dtype)
             v_BxMxKxDh = cv[layer][slot_B].astype(dtype)
-            out = _cached_attention(q, k_BxMxKxDh, v_BxMxKxDh, idx_BxT, start_B + t)
+            out = attention.cached_attention(q, k_BxMxKxDh, v_BxMxKxDh, idx_BxT, start_B + t)
             return (_finish_block(p, x, out, cfg, dtype), ck, cv), None
 
         layers = jnp.arange(cfg.num_layers)

@@ -6,19 +6,18 @@ HF linear weights are [out, in]; Gyre kernels are [in, ...] with heads split out
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 
 import jax
-import ml_collections
 import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from gyre.config import default_config
 from gyre.model import decoder
 
 # gyre config key -> HF config.json key (architecture only)
@@ -49,8 +48,9 @@ LAYER_NAMES = {
 }
 
 
-def config_from_hf(hf: dict, cfg_model=None) -> ml_collections.ConfigDict:
-    """Gyre model config from an HF Qwen3 config.json dict; non-architecture keys kept."""
+def config_from_hf(hf: dict, base: decoder.ModelSpec) -> decoder.ModelSpec:
+    """``base`` with its architecture fields replaced by an HF Qwen3 config.json dict's; the
+    others (dtype, attention, attn_block) are kept."""
     if hf.get("model_type") not in (None, "qwen3"):
         raise ValueError(f"config.json model_type is {hf.get('model_type')!r}, expected 'qwen3'")
     for key, ok in (("attention_bias", False), ("use_sliding_window", False)):
@@ -63,21 +63,20 @@ def config_from_hf(hf: dict, cfg_model=None) -> ml_collections.ConfigDict:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"config.json rope type {rope.get('rope_type')!r} is not supported")
-    cfg = ml_collections.ConfigDict(cfg_model if cfg_model is not None else default_config().model)
     hf = dict(hf)
     hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     hf.setdefault("tie_word_embeddings", False)
+    arch = {}
     for ours, theirs in CONFIG_KEYS.items():
         if theirs not in hf:
             raise ValueError(f"config.json lacks {theirs!r}")
-        cfg[ours] = type(cfg[ours])(hf[theirs])
-    cfg.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    return cfg
+        arch[ours] = type(getattr(base, ours))(hf[theirs])
+    arch["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return dataclasses.replace(base, **arch)
 
 
-def config_to_hf(cfg) -> dict:
+def config_to_hf(cfg: decoder.ModelSpec) -> dict:
     """HF Qwen3 config.json dict for a gyre model config."""
-    cfg = decoder.ModelSpec.from_config(cfg)
     out = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_KEYS.items()}
     out.update(
         architectures=["Qwen3ForCausalLM"],
@@ -185,14 +184,14 @@ def pure_to_hf(pure: dict, cfg) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def load_hf(folder: str, cfg_model=None, cell=None, role: str = "train"):
-    """HF Qwen3 folder -> (graphdef, state, cfg_model); state placed on ``cell`` if given.
+def load_hf(folder: str, base: decoder.ModelSpec, cell=None, role: str = "train"):
+    """HF Qwen3 folder -> (graphdef, state, spec); state placed on ``cell`` if given.
 
-    Architecture keys of ``cfg_model`` are replaced by the checkpoint's; the others (dtype,
+    Architecture fields of ``base`` are replaced by the checkpoint's; the others (dtype,
     attention, attn_block) are kept.
     """
     with open(os.path.join(folder, "config.json")) as f:
-        cfg = config_from_hf(json.load(f), cfg_model)
+        cfg = config_from_hf(json.load(f), base)
     graphdef, abstract = decoder.abstract_model(cfg)
     pure = hf_to_pure(read_tensors(folder), cfg)
     want = jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(abstract))
@@ -208,10 +207,9 @@ def load_hf(folder: str, cfg_model=None, cell=None, role: str = "train"):
     return graphdef, state, cfg
 
 
-def save_hf(folder: str, graphdef, state, cfg_model) -> None:
+def save_hf(folder: str, graphdef, state, cfg: decoder.ModelSpec) -> None:
     """Writes config.json + model.safetensors (float32) that transformers can load."""
-    del graphdef  # the layout is fixed by cfg_model
-    cfg = decoder.ModelSpec.from_config(cfg_model)
+    del graphdef  # the layout is fixed by the spec
     os.makedirs(folder, exist_ok=True)
     pure = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), nnx.to_pure_dict(state))
     with open(os.path.join(folder, "config.json"), "w") as f:

@@ -27,7 +27,7 @@ import itertools
 import numpy as np
 
 from gyre import mesh as gmesh
-from gyre.rollout.programs import Programs, programs_for
+from gyre.rollout.programs import Programs, RolloutSpec, programs_for
 from gyre.rollout.types import GenerateRequest, GenerateResponse
 
 
@@ -109,14 +109,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class Engine:
-    """Continuous-batching inference on one cell. ``cfg``: full config (model + rollout)."""
+    """Continuous-batching inference of ``spec`` on one cell."""
 
-    def __init__(self, cfg, cell: gmesh.Cell, state, version: int = 0):
-        r = cfg.rollout
-        self.cell, self.vocab_size = cell, cfg.model.vocab_size
+    def __init__(self, spec: RolloutSpec, cell: gmesh.Cell, state, version: int = 0):
+        r = spec
+        self.cell, self.vocab_size = cell, spec.model.vocab_size
         self.num_slots, self.max_len, self.chunk = r.slots, r.max_len, r.prefill_chunk
         self.temperature = float(r.temperature)
-        self.programs: Programs = programs_for(cfg, cell)
+        self.programs: Programs = programs_for(spec, cell)
         self.state = gmesh.move(state, self.programs.state_sh)
         self.version = version
         self._rids = itertools.count()

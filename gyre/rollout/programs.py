@@ -6,6 +6,7 @@ each compiles once per cell, and every engine built for the same (cell, config) 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,11 +18,29 @@ from gyre.model import decoder as gdec
 from gyre.rollout import sampler
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """What a rollout cell's programs and engine depend on (frozen: it keys the jit cache)."""
+
+    model: gdec.ModelSpec
+    slots: int = 16  # KV slots per cell (concurrent requests)
+    max_len: int = 512  # tokens per slot
+    prefill_chunk: int = 64
+    temperature: float = 1.0  # default for requests that set none
+    top_p: float = 1.0
+    seed: int = 0  # sampler base key
+
+    def __post_init__(self):
+        for name in ("slots", "max_len", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+
+
 class Programs:
     """The jit programs of one cell (one compile per cell; every shape is fixed)."""
 
-    def __init__(self, cfg, cell: gmesh.Cell):
-        r, spec = cfg.rollout, gdec.ModelSpec.from_config(cfg.model)
+    def __init__(self, r: RolloutSpec, cell: gmesh.Cell):
+        spec = r.model
         self.graphdef, abstract_state = gdec.abstract_model(spec)
         s, m, c = r.slots, r.max_len, r.prefill_chunk
         cache_shape = (spec.num_layers, s, m, spec.num_kv_heads, spec.head_dim)
@@ -34,7 +53,7 @@ class Programs:
         self.rows_sh = {k: gmesh.sharding_for(cell, "rollout", rows_axes) for k in "kv"}
         rep = NamedSharding(cell.mesh, PartitionSpec())
         vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
-        base = sampler.base_key(cfg.seed)
+        base = sampler.base_key(r.seed)
         graphdef, top_p = self.graphdef, float(r.top_p)
 
         def prefill(state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1, temp_1):
@@ -80,32 +99,6 @@ class Programs:
 
 
 @functools.lru_cache(maxsize=64)
-def _programs_cached(cell, cfg_holder):
-    return Programs(cfg_holder.cfg, cell)
-
-
-class _CfgHolder:
-    """Hashes a config by the keys the programs depend on."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        r = cfg.rollout
-        self.key = (
-            gdec.ModelSpec.from_config(cfg.model),
-            r.slots,
-            r.max_len,
-            r.prefill_chunk,
-            float(r.top_p),
-            cfg.seed,
-        )
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _CfgHolder) and self.key == other.key
-
-
-def programs_for(cfg, cell: gmesh.Cell) -> Programs:
-    """Programs of ``cell`` for ``cfg``, shared by every engine built for the same pair."""
-    return _programs_cached(cell, _CfgHolder(cfg))
+def programs_for(spec: RolloutSpec, cell: gmesh.Cell) -> Programs:
+    """Programs of ``cell`` for ``spec``, shared by every engine built for the same pair."""
+    return Programs(spec, cell)

@@ -29,9 +29,7 @@ import itertools
 import numpy as np
 
 from gyre.rollout.engine import Engine, validate_request
-from gyre.rollout.types import GenerateRequest, GenerateResponse
-
-MODES = ("migrate", "retry")
+from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse
 
 
 @dataclasses.dataclass
@@ -182,8 +180,8 @@ class Proxy:
 
     def release(self, cell_index: int, mode: str = "migrate") -> dict:
         """Takes a cell out of rollout, handing each live request over -> counts by path."""
-        if mode not in MODES:
-            raise ValueError(f"release mode must be one of {MODES}, got {mode!r}")
+        if mode not in HANDOVERS:
+            raise ValueError(f"release mode must be one of {HANDOVERS}, got {mode!r}")
         if cell_index not in self.rollout:
             raise ValueError(f"cell {cell_index} is not serving rollout")
         self.rollout.discard(cell_index)

@@ -7,6 +7,9 @@ import zlib
 
 import numpy as np
 
+# How live requests of a cell leaving rollout are handed over (gyre/rollout/proxy.py).
+HANDOVERS = ("migrate", "retry")
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:

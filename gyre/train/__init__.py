@@ -1,2 +1,2 @@
-"""Training: tree-packed policy loss (loss), per-cell gradient programs and the optimizer on the
-core cell (step, optimizer), checkpoints (checkpoint), supervised fine-tuning (sft)."""
+"""Training: tree-packed losses (loss: policy and supervised objectives), per-cell gradient
+programs and the optimizer on the core cell (step, optimizer), checkpoints (checkpoint)."""

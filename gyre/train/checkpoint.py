@@ -89,21 +89,25 @@ def save_trainer(ckpt: Checkpointer, trainer, metadata: dict, wait: bool = False
         ckpt.wait()
 
 
-def restore_trainer(cls, cfg, cells, graphdef, ckpt: Checkpointer, step=None, **kw):
+def restore_trainer(cls, spec, cells, graphdef, ckpt: Checkpointer, step=None, **kw):
     """Builds ``cls`` (a Trainer) from checkpoint ``step`` (default: latest) on ``cells``."""
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint to restore in {ckpt.directory}")
     core = cells[0]
-    _, abstract_params = decoder.abstract_model(cfg.model)
-    param_sh = decoder.state_shardings(cfg.model, core, "train")
+    _, abstract_params = decoder.abstract_model(spec.model)
+    param_sh = decoder.state_shardings(spec.model, core, "train")
     abstract_params = _with_shardings(abstract_params, param_sh)
-    tx = topt.make_optimizer(cfg.train, kw.get("schedule", "constant"), kw.get("decay_steps", 0))
+    tx = topt.make_optimizer(spec.optimizer)
     abstract_opt = topt.abstract_state(tx, abstract_params, param_sh, core.mesh)
     params, opt_state, meta = ckpt.restore(step, abstract_params, abstract_opt)
     rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
-    kw.setdefault("objective", meta["objective"])
-    trainer = cls(cfg, cells, graphdef, params, opt_state=opt_state, step=meta["step"],
+    if meta["objective"] != spec.objective:
+        raise ValueError(
+            f"checkpoint {step} in {ckpt.directory} trained objective {meta['objective']!r}, "
+            f"not {spec.objective!r}"
+        )
+    trainer = cls(spec, cells, graphdef, params, opt_state=opt_state, step=meta["step"],
                   version=meta["version"], rng=rng, **kw)  # fmt: skip
     trainer.microbatches_done = int(meta["microbatches_done"])
     return trainer, meta["metadata"]

@@ -30,25 +30,22 @@ TRAIN_FIELDS = ("tokens", "pos", "leave", "pred", "old_logp", "adv_pos", "adv_ne
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """Static (hashable) loss settings, from cfg.train."""
+class LossSpec:
+    """Static (hashable) loss settings; part of the gradient program's cache key."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
     tis_cap: float = 0.0  # 0 = off; else stale tokens get min(pi_start / pi_behaviour, cap)
 
-    @classmethod
-    def from_config(cls, cfg) -> LossConfig:
-        t = cfg.train
-        if t.clip_low < 0 or t.clip_high < 0 or t.clip_low >= 1:
+    def __post_init__(self):
+        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
             raise ValueError(
-                f"train.clip_low ({t.clip_low}) must be in [0, 1) and train.clip_high "
-                f"({t.clip_high}) >= 0"
+                f"train.clip_low ({self.clip_low}) must be in [0, 1) and train.clip_high "
+                f"({self.clip_high}) >= 0"
             )
-        if t.tis_cap < 0:
-            raise ValueError(f"train.tis_cap must be >= 0, got {t.tis_cap}")
-        return cls(float(t.clip_low), float(t.clip_high), float(t.kl_coef), float(t.tis_cap))
+        if self.tis_cap < 0:
+            raise ValueError(f"train.tis_cap must be >= 0, got {self.tis_cap}")
 
 
 def token_logprobs(logits_RxTxV, tokens_RxT, pred_RxT):
@@ -74,7 +71,7 @@ def _k3(logp_a, logp_b):
     return jnp.exp(d) - d - 1.0
 
 
-def policy_loss(logp, entropy, batch, cfg: LossConfig, version_now, ref_logp=None):
+def policy_loss(logp, entropy, batch, cfg: LossSpec, version_now, ref_logp=None):
     """Sign-split clipped policy loss of one packed micro-batch -> (loss, metrics).
 
     logp, entropy: [R,T] from :func:`token_logprobs` under the current parameters.

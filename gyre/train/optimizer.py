@@ -8,6 +8,8 @@ or restored directly on any core cell.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -15,36 +17,56 @@ from jax.sharding import NamedSharding, PartitionSpec
 SCHEDULES = ("constant", "cosine")
 
 
-def make_schedule(cfg_train, schedule: str = "constant", decay_steps: int = 0):
-    """Learning rate per optimizer step: linear warmup over warmup_steps, then constant or
-    cosine decay to zero over ``decay_steps`` further steps."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    lr, warmup = float(cfg_train.lr), int(cfg_train.warmup_steps)
-    if warmup < 0:
-        raise ValueError(f"train.warmup_steps must be >= 0, got {warmup}")
-    if schedule == "cosine":
-        if decay_steps < 1:
-            raise ValueError(f"a cosine schedule needs decay_steps >= 1, got {decay_steps}")
-        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), warmup + decay_steps)
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """Optimizer of the core cell (frozen: it keys the compiled update program).
+
+    Learning rate per step: linear warmup over ``warmup_steps``, then constant or cosine decay
+    to zero over ``decay_steps`` further steps."""
+
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0  # global-norm clip; 0 = off
+    schedule: str = "constant"
+    decay_steps: int = 0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.schedule == "cosine" and self.decay_steps < 1:
+            raise ValueError(f"a cosine schedule needs decay_steps >= 1, got {self.decay_steps}")
+
+
+def make_schedule(spec: OptimizerSpec):
+    """The learning rate as an optax schedule of the optimizer step."""
+    lr, warmup = float(spec.lr), int(spec.warmup_steps)
+    if spec.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, max(warmup, 1), warmup + spec.decay_steps
+        )
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.linear_schedule(0.0, lr, warmup)
 
 
-def make_optimizer(cfg_train, schedule: str = "constant", decay_steps: int = 0):
+def make_optimizer(spec: OptimizerSpec):
     """optax chain: clip_by_global_norm(grad_clip) then AdamW with the schedule."""
-    if cfg_train.grad_clip < 0:
-        raise ValueError(f"train.grad_clip must be >= 0, got {cfg_train.grad_clip}")
     parts = []
-    if cfg_train.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(float(cfg_train.grad_clip)))
+    if spec.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(float(spec.grad_clip)))
     parts.append(
         optax.adamw(
-            make_schedule(cfg_train, schedule, decay_steps),
-            b1=float(cfg_train.b1),
-            b2=float(cfg_train.b2),
-            weight_decay=float(cfg_train.weight_decay),
+            make_schedule(spec),
+            b1=float(spec.b1),
+            b2=float(spec.b2),
+            weight_decay=float(spec.weight_decay),
         )
     )
     return optax.chain(*parts)

@@ -2,34 +2,30 @@
 
 API for the controller::
 
-    trainer = Trainer(cfg, cells, graphdef, params)      # params: any layout; cells[0] = core
-    mbs = split_microbatches(packed_batch, cfg.train.rows_per_microbatch)
-    queue = MicrobatchQueue(mbs)                          # one optimizer step's micro-batches
-    while (mb := queue.get()) is not None:                # any train cell may take the next one
+    trainer = Trainer(spec, cells, graphdef, params)     # params: any layout; cells[0] = core
+    mbs = split_microbatches(packed_batch, spec.rows_per_microbatch)
+    for mb in mbs:                                        # any train cell may take the next one
         results.append(trainer.compute_grads(cell, mb))   # -> GradResult (grads on `cell`)
     out = trainer.apply_step(results)                     # sum on core, update -> StepOutcome
+    out = trainer.apply_parts(parts, counts)              # streamed parts, rescaled, then applied
     trainer.version                                       # authoritative weight version (int)
     trainer.params_for(cell, "rollout")                   # weights moved to a cell's layout
     trainer.train_step(cells, packed_batch)               # all of the above, round-robin
-    trainer.save(checkpointer); Trainer.restore(cfg, cells, graphdef, checkpointer)
+    trainer.save(checkpointer); Trainer.restore(spec, cells, graphdef, checkpointer)
 
 Each cell gets its own jit program (its own shardings: parameters in the 'train' layout,
 batch rows over 'data'), compiled once per shape bucket; the batch buffers are donated.
 Gradients of other cells cross to the core with ``gyre.mesh.move`` only: arrays of two cells
 never meet inside one program. The core alone holds the optimizer state. A non-finite loss or
-gradient skips the update (logged with the batch's execution ids); ``cfg.train.max_bad_steps``
+gradient skips the update (logged with the batch's execution ids); ``spec.max_bad_steps``
 skipped steps in a row raise :class:`TrainingDiverged`.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
-import threading
-import types
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +39,33 @@ from gyre.train import loss as tloss
 from gyre.train import optimizer as topt
 
 log = logging.getLogger(__name__)
-# CPU cannot reuse donated int/float batch buffers for the gradient outputs; harmless.
-warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 OBJECTIVES = ("ppo", "sft")
+
+# Metric sums that are not linear in the loss coefficients (kept unscaled when parts of one
+# step are rescaled to the step's normaliser).
+_UNSCALED = ("version_lag_max", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    """Everything the gradient and update programs depend on (frozen: it keys their caches)."""
+
+    model: decoder.ModelSpec
+    optimizer: topt.OptimizerSpec = topt.OptimizerSpec()
+    loss: tloss.LossSpec = tloss.LossSpec()
+    objective: str = "ppo"  # 'ppo' (policy loss) or 'sft' (cross-entropy)
+    rows_per_microbatch: int = 4
+    max_bad_steps: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.rows_per_microbatch < 1:
+            raise ValueError(
+                f"train.rows_per_microbatch must be >= 1, got {self.rows_per_microbatch}"
+            )
 
 
 class TrainingDiverged(RuntimeError):
@@ -120,31 +139,10 @@ def split_microbatches(batch, rows: int, exec_names=None) -> list[Microbatch]:
     return out
 
 
-class MicrobatchQueue:
-    """Thread-safe queue of one optimizer step's micro-batches; faster cells take more."""
-
-    def __init__(self, microbatches):
-        self._items = collections.deque(microbatches)
-        self._lock = threading.Lock()
-        self.taken = 0
-
-    def get(self) -> Microbatch | None:
-        with self._lock:
-            if not self._items:
-                return None
-            self.taken += 1
-            return self._items.popleft()
-
-    def __len__(self):
-        return len(self._items)
-
-
 def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-# Compiles per (program, cell), counted at trace time: a retrace shows up here.
-TRACE_COUNTS: collections.Counter = collections.Counter()
 _ADD = jax.jit(_tree_add, donate_argnums=(0,))
 
 
@@ -179,7 +177,6 @@ def gradient_program(graphdef, spec, objective, loss_cfg, use_ref, mesh):
     b_sh = {name: rows for name in tloss.TRAIN_FIELDS}
 
     def fn(params, ref_params, batch, version_now):
-        TRACE_COUNTS[("grad", mesh)] += 1
         return _objective(graphdef, objective, loss_cfg, use_ref, params, ref_params, batch,
                           version_now)  # fmt: skip
 
@@ -192,15 +189,14 @@ def gradient_program(graphdef, spec, objective, loss_cfg, use_ref, mesh):
 
 
 @functools.cache
-def update_program(opt_key):
+def update_program(spec: topt.OptimizerSpec):
     """(params, opt_state, grads, loss_ok) -> (params, opt_state, ok, grad_norm) on the core.
 
     The update is kept only if the loss and the gradient are finite (else the old state is
-    returned unchanged). ``opt_key`` is the hashable optimizer setting (see Trainer)."""
-    tx = topt.make_optimizer(types.SimpleNamespace(**dict(opt_key[0])), *opt_key[1:])
+    returned unchanged)."""
+    tx = topt.make_optimizer(spec)
 
     def fn(params, opt_state, grads, loss_ok):
-        TRACE_COUNTS[("update", opt_key)] += 1
         leaves = jax.tree.leaves(grads)
         grad_norm = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in leaves))
         ok = loss_ok & jnp.isfinite(grad_norm)
@@ -215,27 +211,20 @@ def update_program(opt_key):
     return jax.jit(fn, donate_argnums=(1, 2))
 
 
-OPT_KEYS = ("lr", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip")
-
-
 class Trainer:
     """Gradient programs on any train cell, optimizer state and authoritative weights on the
-    core cell (``cells[0]``). ``objective`` is 'ppo' (policy loss) or 'sft' (cross-entropy)."""
+    core cell (``cells[0]``). It owns the step and version counters and step skipping."""
 
-    def __init__(self, cfg, cells, graphdef, params, *, objective: str = "ppo",
-                 ref_params=None, opt_state=None, step: int = 0, version: int = 0, rng=None,
-                 schedule: str = "constant", decay_steps: int = 0):  # fmt: skip
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    def __init__(self, spec: TrainerSpec, cells, graphdef, params, *, ref_params=None,
+                 opt_state=None, step: int = 0, version: int = 0, rng=None):  # fmt: skip
         if not cells:
             raise ValueError("Trainer needs at least one cell (cells[0] is the core)")
-        self.cfg, self.graphdef, self.objective = cfg, graphdef, objective
+        self.spec, self.graphdef, self.objective = spec, graphdef, spec.objective
         self.core = cells[0]
         self._param_sh, self._copies = {}, {}
-        self.loss_cfg = tloss.LossConfig.from_config(cfg)
-        self.tx = topt.make_optimizer(cfg.train, schedule, decay_steps)
+        self.tx = topt.make_optimizer(spec.optimizer)
         self.params = gmesh.move(params, self.param_shardings(self.core))
-        self.use_ref = objective == "ppo" and self.loss_cfg.kl_coef > 0
+        self.use_ref = spec.objective == "ppo" and spec.loss.kl_coef > 0
         if self.use_ref and ref_params is None:
             raise ValueError("train.kl_coef > 0 needs ref_params (the reference policy)")
         self._ref_host = ref_params if self.use_ref else None
@@ -246,17 +235,15 @@ class Trainer:
             opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(self.params)
         self.opt_state = gmesh.move(opt_state, opt_sh)
         self.step, self.version, self.bad_steps = int(step), int(version), 0
-        self.rng = jax.random.key(cfg.seed) if rng is None else rng
+        self.rng = jax.random.key(spec.seed) if rng is None else rng
         self.microbatches_done = 0  # queue position: micro-batches consumed over the run
-        train = {k: cfg.train[k] for k in OPT_KEYS}
-        self._opt_key = (tuple(sorted(train.items())), schedule, decay_steps)
 
     # ------------------------------------------------------------------ layouts and weights
 
     def param_shardings(self, cell, role: str = "train"):
         key = (cell.mesh, role)
         if key not in self._param_sh:
-            self._param_sh[key] = decoder.state_shardings(self.cfg.model, cell, role)
+            self._param_sh[key] = decoder.state_shardings(self.spec.model, cell, role)
         return self._param_sh[key]
 
     def params_for(self, cell, role: str = "train"):
@@ -279,9 +266,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ gradient program
 
-    def _program(self, cell):
-        spec = decoder.ModelSpec.from_config(self.cfg.model)
-        return gradient_program(self.graphdef, spec, self.objective, self.loss_cfg, self.use_ref,
+    def program(self, cell):
+        """The jitted gradient program of ``cell`` (cached across Trainers with equal specs)."""
+        s = self.spec
+        return gradient_program(self.graphdef, s.model, s.objective, s.loss, self.use_ref,
                                 cell.mesh)  # fmt: skip
 
     def compute_grads(self, cell, mb: Microbatch) -> GradResult:
@@ -296,7 +284,7 @@ class Trainer:
         rows_sh = NamedSharding(cell.mesh, PartitionSpec("data", None))
         batch = {k: jax.device_put(np.asarray(mb.arrays[k]), rows_sh) for k in tloss.TRAIN_FIELDS}
         version = jax.device_put(np.int32(self.version), NamedSharding(cell.mesh, PartitionSpec()))
-        grads, metrics = self._program(cell)(
+        grads, metrics = self.program(cell)(
             self.params_for(cell), self._ref_for(cell), batch, version
         )
         self.microbatches_done += 1
@@ -321,7 +309,7 @@ class Trainer:
         metrics = tloss.combine_metrics([jax.device_get(r.metrics) for r in results])
         exec_ids = sorted({i for r in results for i in r.exec_ids}, key=str)
         loss_ok = bool(np.isfinite(metrics["loss"]))
-        update = update_program(self._opt_key)
+        update = update_program(self.spec.optimizer)
         params, opt_state, ok, grad_norm = update(self.params, self.opt_state, grads,
                                                   jnp.asarray(loss_ok))  # fmt: skip
         self.params, self.opt_state = params, opt_state
@@ -337,22 +325,40 @@ class Trainer:
             self.step, "loss" if not loss_ok else "gradient", metrics["loss"], metrics["grad_norm"],
             exec_ids,
         )  # fmt: skip
-        if self.bad_steps >= self.cfg.train.max_bad_steps:
+        if self.bad_steps >= self.spec.max_bad_steps:
             raise TrainingDiverged(
                 f"{self.bad_steps} optimizer steps in a row had a non-finite loss or gradient "
-                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); last executions "
+                f"(train.max_bad_steps={self.spec.max_bad_steps}); last executions "
                 f"{exec_ids}; weights kept at version {self.version}"
             )
         return StepOutcome(False, self.version, self.step, metrics, exec_ids)
 
+    def apply_parts(self, parts: list[tuple[int, GradResult]], counts: list[float]):
+        """One update from gradients computed part by part while a step streamed in.
+
+        Part p's loss was normalised by its own ``counts[p]``; scaling it by
+        ``counts[p] / sum(counts)`` makes the sum the gradient of the whole step's loss
+        (exact: tests/test_stream.py). With no gradient at all (every execution of the step an
+        infrastructure error) the weights stay and the counters advance, so the run goes on.
+        Returns the StepOutcome, or None for such an empty step.
+        """
+        total = sum(counts)
+        results = []
+        for part, res in parts:
+            s = counts[part] / total
+            grads = jax.tree.map(lambda g, s=s: g * s, res.grads)
+            metrics = {k: (v if k in _UNSCALED else v * s) for k, v in res.metrics.items()}
+            results.append(GradResult(grads, metrics, res.cell_index, res.exec_ids))
+        if results:
+            return self.apply_step(results)
+        self.step += 1
+        self.version += 1
+        return None
+
     def train_step(self, cells, batch, exec_names=None) -> StepOutcome:
         """One optimizer step over ``batch`` (packed), micro-batches dealt round-robin to cells."""
-        mbs = split_microbatches(batch, self.cfg.train.rows_per_microbatch, exec_names)
-        queue = MicrobatchQueue(mbs)
-        results, i = [], 0
-        while (mb := queue.get()) is not None:
-            results.append(self.compute_grads(cells[i % len(cells)], mb))
-            i += 1
+        mbs = split_microbatches(batch, self.spec.rows_per_microbatch, exec_names)
+        results = [self.compute_grads(cells[i % len(cells)], mb) for i, mb in enumerate(mbs)]
         return self.apply_step(results)
 
     # ------------------------------------------------------------------ checkpoints
@@ -364,9 +370,9 @@ class Trainer:
         checkpoint.save_trainer(checkpointer, self, metadata or {}, wait=wait)
 
     @classmethod
-    def restore(cls, cfg, cells, graphdef, checkpointer, step: int | None = None, **kw):
+    def restore(cls, spec, cells, graphdef, checkpointer, step: int | None = None, **kw):
         """A Trainer whose state comes from a checkpoint, laid out on ``cells`` (any count or
         cell size). Returns (trainer, metadata)."""
         from gyre.train import checkpoint
 
-        return checkpoint.restore_trainer(cls, cfg, cells, graphdef, checkpointer, step, **kw)
+        return checkpoint.restore_trainer(cls, spec, cells, graphdef, checkpointer, step, **kw)

@@ -9,12 +9,10 @@ from gyre.trajectory.advantages import (
     group_advantages,
     path_coefficients,
 )
-from gyre.trajectory.batch import BatchReport, ExecutionResult, build_batch
+from gyre.trajectory.batch import BatchReport, ExecutionResult, TrajectorySpec, build_batch
 from gyre.trajectory.pack import (
     PackedBatch,
-    ancestors_from_leave,
     build_forest,
-    clipped_objective,
     flatten,
     pack,
     rows_for,
@@ -44,11 +42,10 @@ __all__ = [
     "RecordError",
     "Selection",
     "Tree",
-    "ancestors_from_leave",
+    "TrajectorySpec",
     "build_batch",
     "build_forest",
     "build_tree",
-    "clipped_objective",
     "execution_score",
     "flatten",
     "group_advantages",

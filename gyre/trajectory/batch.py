@@ -1,8 +1,16 @@
 """One optimizer step's data: finished executions -> trees -> selection -> advantages -> rows.
 
+The one packing pipeline of the project, for RL and for supervised steps alike:
+
+    batch, report = build_batch(results, spec)                        # policy-gradient step
+    batch, report = build_batch(demos, spec, "sft", token_masks)      # supervised step
+
 A bad execution (malformed records, a path longer than a row) is rejected with its reason and
 the rest of the step goes on; infrastructure errors are excluded (never trained on).
-Advantages and loss coefficients are computed over the executions that survive.
+Advantages and loss coefficients are computed over the executions that survive. A supervised
+step is the same batch with every advantage 1 (so ``adv_pos = w``), trained with the 'sft'
+objective; ``token_masks`` zero the weight of chosen completion tokens (e.g. a demonstration's
+deliberate mistakes).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from gyre.trajectory.advantages import (
+    LOSS_MODES,
+    REWARDS,
     execution_score,
     group_advantages,
     normaliser_count,
@@ -23,14 +33,65 @@ from gyre.trajectory.records import CallRecord, RecordError, validate_execution
 from gyre.trajectory.select import select_paths
 from gyre.trajectory.tree import Tree, build_tree
 
+OBJECTIVES = ("ppo", "sft")
+PACKINGS = ("tree", "flat")
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass
 class ExecutionResult:
-    """A finished execution: its call records, its task, and the judge's score of its ending."""
+    """A finished execution, as the harness returns it and the packer reads it.
+
+    ``task_id`` groups executions for group-relative advantages (the samples of one task share
+    it); ``score`` is the judge's score of the ending, None for an infrastructure error.
+    ``end_reason`` defaults to the one the records carry.
+    """
 
     records: list[CallRecord]
     task_id: str
-    judge_score: float = 0.0
+    score: float | None = 0.0
+    execution_id: str = ""
+    end_reason: str = ""
+    milestones: int = 0
+    num_milestones: int = 0
+    stats: dict = dataclasses.field(default_factory=dict)
+    task: object = None  # the environment's task, opaque here (for the env's own use)
+
+    def __post_init__(self):
+        if self.records:
+            self.execution_id = self.execution_id or self.records[0].execution_id
+            self.end_reason = self.end_reason or self.records[-1].end_reason
+
+    def __repr__(self) -> str:  # records are large: never print them
+        return (
+            f"ExecutionResult({self.execution_id!r}, {self.end_reason}, score={self.score}, "
+            f"milestones={self.milestones}/{self.num_milestones}, calls={len(self.records)})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectorySpec:
+    """How executions become packed rows (frozen; see gyre/config.py for each setting)."""
+
+    vocab_size: int
+    max_paths: int = 5  # J; 0 = uncapped
+    loss_mode: str = "two-level"
+    std_normalize: bool = False
+    row_len: int = 1024
+    packing: str = "tree"
+    reward: str = "partial"
+    rows_per_microbatch: int = 4  # row counts are multiples of it (one compile per bucket)
+
+    def __post_init__(self):
+        if self.row_len < 128 or self.row_len % 128:
+            raise ValueError(f"trajectory.row_len must be a positive multiple of 128, got "
+                             f"{self.row_len}")  # fmt: skip
+        if self.max_paths < 0:
+            raise ValueError(f"trajectory.max_paths must be >= 0, got {self.max_paths}")
+        for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
+                                     ("packing", self.packing, PACKINGS),
+                                     ("reward", self.reward, REWARDS)):  # fmt: skip
+            if value not in choices:
+                raise ValueError(f"trajectory.{name} must be one of {choices}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +111,20 @@ class BatchReport:
     normaliser: float = 0.0  # what the loss mode divided by (see normaliser_count)
 
 
-def _trees(results, vocab_size: int, max_paths: int, row_len: int, reward: str):
+def _trees(results, spec: TrajectorySpec, objective: str):
     kept, rejected, excluded = [], [], []
+    vocab_size, max_paths, row_len = spec.vocab_size, spec.max_paths, spec.row_len
     for i, res in enumerate(results):
         try:
             validate_execution(res.records, vocab_size, check_prompt_ids=False)
             tree = build_tree(res.records)
             if tree.tokens.min() < 0 or tree.tokens.max() >= vocab_size:
                 validate_execution(res.records, vocab_size)  # raises, naming the call
-            score = execution_score(tree.end_reason, res.judge_score, reward=reward)
+            if objective == "sft":
+                score = 1.0  # every demonstration is a target
+            else:
+                judged = 0.0 if res.score is None else res.score
+                score = execution_score(tree.end_reason, judged, reward=spec.reward)
             if score is None:
                 excluded.append(i)
                 continue
@@ -75,26 +141,57 @@ def _trees(results, vocab_size: int, max_paths: int, row_len: int, reward: str):
     return kept, rejected, excluded
 
 
-def build_batch(
-    results: Sequence[ExecutionResult], cfg, buckets: Sequence[int] | None = None
-) -> tuple[PackedBatch, BatchReport]:
-    """Packs one step. cfg: the run config (trajectory.*, model.vocab_size, train.rows_per_microbatch).
+def _mask_tokens(batch: PackedBatch, trees, masks) -> PackedBatch:
+    """Zeroes w / adv_pos / adv_neg of masked completion tokens. masks[e][c]: float[C] for
+    call c of packed execution e (1 keeps, 0 drops); a node shared by several calls keeps
+    the smallest value."""
+    keep = np.ones_like(batch.w)
+    for e, (tree, calls) in enumerate(zip(trees, masks)):
+        node_mask = np.ones(tree.num_nodes, np.float32)
+        for c, mask in enumerate(calls):
+            mask = np.asarray(mask, np.float32)
+            nodes = tree.path_nodes(c)[-mask.size :] if mask.size else []
+            node_mask[nodes] = np.minimum(node_mask[nodes], mask)
+        sel = batch.exec_index == e
+        keep[sel] = node_mask[batch.node_index[sel]]
+    return batch._replace(w=(batch.w * keep).astype(np.float32),
+                          adv_pos=(batch.adv_pos * keep).astype(np.float32),
+                          adv_neg=(batch.adv_neg * keep).astype(np.float32))  # fmt: skip
 
-    buckets: allowed row counts (default: multiples of train.rows_per_microbatch).
+
+def build_batch(
+    results: Sequence[ExecutionResult],
+    spec: TrajectorySpec,
+    objective: str = "ppo",
+    token_masks: Sequence | None = None,
+    buckets: Sequence[int] | None = None,
+) -> tuple[PackedBatch, BatchReport]:
+    """Packs one step's executions into rows.
+
+    objective: 'ppo' (group-relative advantages of the judged scores) or 'sft' (advantage 1).
+    token_masks: per input execution, per call, float[C] over the completion (1 keeps).
+    buckets: allowed row counts (default: multiples of spec.rows_per_microbatch).
     """
-    t = cfg.trajectory
-    kept, rejected, excluded = _trees(
-        results, cfg.model.vocab_size, t.max_paths, t.row_len, t.reward
-    )
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if token_masks is not None and len(token_masks) != len(results):
+        raise ValueError(f"{len(token_masks)} token masks for {len(results)} executions")
+    kept, rejected, excluded = _trees(results, spec, objective)
     trees: list[Tree] = [k[1] for k in kept]
     calls = [list(k[2].kept) for k in kept]
     scores = [k[3] for k in kept]
-    adv = group_advantages(scores, [results[k[0]].task_id for k in kept], t.std_normalize)
+    if objective == "sft":
+        adv = np.ones(len(kept))
+    else:
+        groups = [results[k[0]].task_id for k in kept]
+        adv = group_advantages(scores, groups, spec.std_normalize)
     lens = [np.asarray([tr.path_trainable(c) for c in cs]) for tr, cs in zip(trees, calls)]
-    coefs = path_coefficients(lens, t.loss_mode)
-    buckets = buckets or (cfg.train.rows_per_microbatch,)
-    packer = pack if t.packing == "tree" else flatten
-    batch = packer(trees, calls, coefs, adv, t.row_len, buckets)
+    coefs = path_coefficients(lens, spec.loss_mode)
+    buckets = buckets or (spec.rows_per_microbatch,)
+    packer = pack if spec.packing == "tree" else flatten
+    batch = packer(trees, calls, coefs, adv, spec.row_len, buckets)
+    if token_masks is not None:
+        batch = _mask_tokens(batch, trees, [token_masks[k[0]] for k in kept])
     report = BatchReport(
         used=tuple(k[0] for k in kept),
         rejected=tuple(rejected),
@@ -108,6 +205,6 @@ def build_batch(
             int(sum(tr.depth[tr.call_end[c]] + 1 for c in cs)) for tr, cs in zip(trees, calls)
         ),
         padding=float((batch.exec_index < 0).mean()),
-        normaliser=normaliser_count(lens, t.loss_mode),
+        normaliser=normaliser_count(lens, spec.loss_mode),
     )
     return batch, report

@@ -266,19 +266,3 @@ def flatten(
         out["adv_neg"][r, cols] = cw * min(a, 0.0)
         out["w"][r, cols] = cw
     return PackedBatch(**out)
-
-
-def ancestors_from_leave(leave_T: np.ndarray) -> np.ndarray:
-    """bool[T, T]: sees[q, k] = k <= q < leave[k] (k is q or an ancestor of q)."""
-    t = leave_T.shape[-1]
-    q, k = np.arange(t)[:, None], np.arange(t)[None, :]
-    return (k <= q) & (q < leave_T[None, :])
-
-
-def clipped_objective(
-    batch: PackedBatch, logp_RxT: np.ndarray, clip_low: float, clip_high: float
-) -> float:
-    """Numpy reference of the sign-split PPO loss -sum_j [min(r, clip r) adv_pos + max(r, clip r) adv_neg]."""
-    r = np.exp(logp_RxT.astype(np.float64) - batch.old_logp)
-    rc = np.clip(r, 1 - clip_low, 1 + clip_high)
-    return float(-np.sum(np.minimum(r, rc) * batch.adv_pos + np.maximum(r, rc) * batch.adv_neg))

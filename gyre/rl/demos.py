@@ -7,8 +7,7 @@ environment answers WRONG and the expert then corrects.
 Masking choice: every call is one record, and each record carries a per-token loss mask
 over its completion, 0 on the digits of a wrong value (so the warm start never learns to make
 the mistake, only to recover from it: the WRONG observation and the corrected retry are
-trained) and 1 elsewhere. ``demo_sequences`` flattens the records into root-to-leaf token
-sequences with a mask over every position (0 on prompt, observation and masked tokens).
+trained) and 1 elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +17,9 @@ import dataclasses
 
 import numpy as np
 
+from gyre.agent.context import AgentSettings
+from gyre.agent.harness import run_executions
+from gyre.agent.scripted import LedgerExpert, read_ledger
 from gyre.envs import vocab as V
 from gyre.envs.base import Task
 from gyre.envs.ledger import LedgerEnv, apply_op
@@ -36,8 +38,6 @@ class Demonstration:
 
 def mistake_mask(env: LedgerEnv, values: np.ndarray, rec: CallRecord) -> np.ndarray:
     """float32[C]: 0 on the value digits of a wrong COMMIT or sub-agent ANSWER, else 1."""
-    from gyre.agent.scripted import read_ledger  # local: agent depends on envs, not back
-
     mask = np.ones(rec.completion.size, np.float32)
     call = env.parse(rec.completion, rec.role)
     if call is None:
@@ -60,10 +60,6 @@ def demo_executions(seed: int, n: int, num_ops: int = 8, mistake_prob: float = 0
                     delegate_prob: float = 0.0, modulus: int = 10, header_ops: int = 64,
                     max_wrong: int = 2, context_window: int = 4096) -> list[Demonstration]:  # fmt: skip
     """n expert executions on tasks drawn from ``seed``; all end in success."""
-    from gyre.agent.context import AgentSettings
-    from gyre.agent.harness import run_executions
-    from gyre.agent.scripted import LedgerExpert
-
     env = LedgerEnv(num_ops=num_ops, modulus=modulus, header_ops=header_ops, max_wrong=max_wrong)
     expert = LedgerExpert(modulus, mistake_prob, delegate_prob, max_mistakes=max_wrong, seed=seed)
     settings = AgentSettings(
@@ -76,28 +72,3 @@ def demo_executions(seed: int, n: int, num_ops: int = 8, mistake_prob: float = 0
         masks = [mistake_mask(env, values, rec) for rec in res.records]
         demos.append(Demonstration(res.task, res.records, masks, res.end_reason))
     return demos
-
-
-def demo_sequences(demo: Demonstration) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Root-to-leaf sequences: (tokens int32[T], loss mask float32[T]) per leaf record.
-
-    A record is a leaf when no later record's prompt starts with its tokens. The mask is the
-    record loss mask at the completion positions of every record on the leaf's path.
-    """
-    recs = demo.records
-    full = [r.tokens for r in recs]
-
-    def extends(long, short):
-        return long.size >= short.size and np.array_equal(long[: short.size], short)
-
-    out = []
-    for j in range(len(recs)):
-        if any(extends(recs[k].prompt, full[j]) for k in range(j + 1, len(recs))):
-            continue
-        mask = np.zeros(full[j].size, np.float32)
-        for k in range(j + 1):
-            if extends(full[j], full[k]):
-                p = recs[k].prompt.size
-                mask[p : p + recs[k].completion.size] = demo.loss_masks[k]
-        out.append((full[j].astype(np.int32), mask))
-    return out

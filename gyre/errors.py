@@ -1,0 +1,9 @@
+"""The one error type that names a config key, shared by the config and the parts below it.
+
+It lives apart from :mod:`gyre.config` so that a part (mesh, engine, trainer) can say which key
+makes its spec unusable without importing the config module.
+"""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the offending key."""

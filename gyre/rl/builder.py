@@ -1,0 +1,163 @@
+"""The experiment builder: the config becomes frozen specs once, the specs become the parts.
+
+    specs = build_specs(cfg)              # the only place below run.py that reads the config
+    rt = build_runtime(specs, workdir)    # cells, env, weights, trainer (or its restore), engines
+    ctrl = Controller(rt)                 # gyre/rl/controller.py: schedules only
+
+Every spec is a frozen dataclass owned by its part (ModelSpec by the decoder, TrainerSpec by
+the trainer, ...), so jit caches and the warm-start cache key on the specs themselves. A spec
+that rejects its values raises ValueError; here that becomes a ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+from gyre import mesh
+from gyre.agent.context import AgentSettings
+from gyre.elastic.policy import PolicyParams
+from gyre.envs.base import Environment
+from gyre.envs.registry import EnvSpec, make_env
+from gyre.errors import ConfigError
+from gyre.model import decoder
+from gyre.rl import evaluation
+from gyre.rl.specs import EvalSpec, RunSpec, SftRecipe, SftSpec, Specs
+from gyre.rollout.engine import Engine
+from gyre.rollout.programs import RolloutSpec
+from gyre.rollout.proxy import Proxy
+from gyre.train.checkpoint import Checkpointer
+from gyre.train.loss import LossSpec
+from gyre.train.optimizer import OptimizerSpec
+from gyre.train.step import Trainer, TrainerSpec
+from gyre.trajectory.batch import TrajectorySpec
+
+log = logging.getLogger(__name__)
+
+
+def _pick(cls, section, **extra):
+    """``cls`` from the keys of a config section that are fields of ``cls`` (plus ``extra``)."""
+    names = {f.name for f in dataclasses.fields(cls)} - set(extra)
+    return cls(**{k: section[k] for k in section.keys() if k in names}, **extra)
+
+
+def build_specs(cfg) -> Specs:
+    """Every part's spec from a validated config; a value a part rejects is a ConfigError."""
+    try:
+        model = decoder.ModelSpec(**cfg.model)
+        trainer = TrainerSpec(
+            model=model,
+            optimizer=_pick(OptimizerSpec, cfg.train),
+            loss=_pick(LossSpec, cfg.train),
+            rows_per_microbatch=cfg.train.rows_per_microbatch,
+            max_bad_steps=cfg.train.max_bad_steps,
+            seed=cfg.seed,
+        )
+        trajectory = _pick(TrajectorySpec, cfg.trajectory, vocab_size=model.vocab_size,
+                           rows_per_microbatch=cfg.train.rows_per_microbatch)  # fmt: skip
+        env = _pick(EnvSpec, cfg.env, max_wrong=cfg.agent.max_retries)
+        sft_seed = cfg.seed if cfg.sft.seed < 0 else cfg.sft.seed
+        recipe = SftRecipe(
+            trainer=dataclasses.replace(
+                trainer, objective="sft", seed=sft_seed,
+                optimizer=dataclasses.replace(trainer.optimizer, lr=cfg.sft.lr),
+            ),  # fmt: skip
+            # every path of a demonstration is a target, each token weighing the same
+            trajectory=dataclasses.replace(trajectory, max_paths=0, loss_mode="token-mean"),
+            env=env,
+            batch=cfg.sft.batch,
+            mistake_prob=cfg.sft.mistake_prob,
+            context_window=cfg.agent.context_window,
+            seed=sft_seed,
+        )
+        return Specs(
+            name=cfg.name,
+            seed=cfg.seed,
+            mesh=_pick(mesh.MeshSpec, cfg.mesh),
+            model=model,
+            rollout=_pick(RolloutSpec, cfg.rollout, model=model, seed=cfg.seed),
+            trainer=trainer,
+            trajectory=trajectory,
+            agent=_pick(AgentSettings, cfg.agent, max_new_tokens=cfg.rollout.max_new_tokens,
+                        partial_scale=cfg.env.partial_scale),  # fmt: skip
+            env=env,
+            policy=_pick(PolicyParams, cfg.scheduler),
+            run=_pick(RunSpec, cfg.run, policy=cfg.scheduler.policy,
+                      handover=cfg.scheduler.handover, switch_cost_s=cfg.scheduler.switch_cost_s,
+                      checkpoint_every=cfg.train.checkpoint_every,
+                      keep_checkpoints=cfg.train.keep_checkpoints, seed=cfg.seed),  # fmt: skip
+            eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.seed),
+            sft=SftSpec(recipe, cfg.sft.steps, cfg.sft.target_accuracy, cfg.sft.eval_every,
+                        max(cfg.eval.tasks, 16), cfg.sft.dir),  # fmt: skip
+        )
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
+
+
+@dataclasses.dataclass
+class Runtime:
+    """The parts of one RL run, built from its specs (see :func:`build_runtime`)."""
+
+    specs: Specs
+    workdir: str
+    cells: list
+    env: Environment
+    graphdef: object
+    trainer: Trainer
+    checkpointer: Checkpointer
+    proxy: Proxy
+    resumed: bool  # the trainer came from a checkpoint in the workdir
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.workdir, name)
+
+    def install(self, params) -> None:
+        """Starts RL from ``params`` (e.g. the warm start) at version 0."""
+        self.trainer = Trainer(self.specs.trainer, self.cells, self.graphdef, params)
+        self.proxy.set_weights(self.trainer.params, self.trainer.version)
+
+    def evaluate_now(self, params, num_tasks: int, seed: int) -> dict:
+        """Greedy evaluation of ``params`` outside the RL loop (e.g. during the warm start)."""
+
+        async def go():
+            pump = asyncio.create_task(self.proxy.run())
+            try:
+                return await evaluation.evaluate(self.env, self.proxy, self.specs.agent,
+                                                 num_tasks, seed)  # fmt: skip
+            finally:
+                pump.cancel()
+
+        self.proxy.set_weights(params, self.trainer.version)
+        return asyncio.run(go())
+
+    def init_params(self, seed: int):
+        """Fresh weights from ``seed``, in the core cell's train layout."""
+        return decoder.init_sharded(self.specs.model, seed, self.cells[0], "train")[1]
+
+
+def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
+    """Cells, environment, weights (``params``, a checkpoint in the workdir, or a fresh init
+    from the seed), trainer, one rollout engine per cell and the proxy over them."""
+    cells = mesh.cells_for(specs.mesh)
+    env = make_env(specs.env)
+    if env.vocab_size != specs.model.vocab_size:
+        # A larger model vocabulary would sample ids the environment cannot read.
+        raise ConfigError(
+            f"config key 'model.vocab_size' ({specs.model.vocab_size}) must equal the "
+            f"{specs.env.name} vocabulary ({env.vocab_size})"
+        )
+    graphdef, init = decoder.init_sharded(specs.model, specs.seed, cells[0], "train")
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
+    resumed = ckpt.latest_step() is not None
+    if resumed:
+        trainer, _ = Trainer.restore(specs.trainer, cells, graphdef, ckpt)
+        log.info("resumed at version %d from %s", trainer.version, ckpt.directory)
+    else:
+        trainer = Trainer(specs.trainer, cells, graphdef, init if params is None else params)
+    engines = [Engine(specs.rollout, cell, trainer.params_for(cell, "rollout"), trainer.version)
+               for cell in cells]  # fmt: skip
+    proxy = Proxy(engines)
+    proxy.latest_weights = (trainer.params, trainer.version)
+    return Runtime(specs, workdir, cells, env, graphdef, trainer, ckpt, proxy, resumed)

@@ -1,0 +1,204 @@
+"""The controller: schedules rollout and training over the cells, and hands finished steps on.
+
+One asyncio loop drives everything on the host:
+
+- the proxy's pump task steps the rollout engines of the rollout cells;
+- each dispatched step runs its executions through the harness (one coroutine per execution,
+  grouped by task); a finished group is packed into the step's micro-batch queue at once
+  (gyre/rl/work.py), so training streams while other executions still roll out;
+- at every decision point the loop asks the scheduler policy for an allocation and applies it
+  (a cell leaving rollout hands its live requests over through the proxy; a cell joining
+  rollout gets the current weights), dispatches the next step when the policy allows (its
+  staleness bound), and computes one micro-batch gradient at a time on a train cell;
+- when a step's groups are all packed and trained, the trainer applies the update, the new
+  weights are published to the engines, and the step's :class:`StepRecord` goes to
+  ``on_step`` (metrics, evaluation, checkpoints and the ledger are the caller's business).
+
+On one CPU all of this interleaves on two cores, so wall-clock overlap between cells cannot
+show here; the simulator measures it with the same policy functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+from gyre.agent.harness import run_execution
+from gyre.elastic import policy as policies
+from gyre.rl import evaluation
+from gyre.rl.progress import RoleTimeline, TraceWriter
+from gyre.rl.work import StepRecord, StepWork, step_tasks
+
+
+class Notifying:
+    """A generate client that wakes the controller after every model call (a decision point:
+    live load changed)."""
+
+    def __init__(self, client, wake):
+        self.client, self.wake = client, wake
+
+    async def generate(self, request):
+        out = await self.client.generate(request)
+        self.wake()
+        return out
+
+
+class Controller:
+    """Runs ``rt.specs.run.steps`` RL steps of the runtime ``rt`` (gyre/rl/builder.py).
+
+    policy_fn: an allocation policy (default: the configured one); after_microbatch: a hook
+    called after every micro-batch gradient (tests use it to kill the run at a chosen point).
+    """
+
+    def __init__(self, rt, policy_fn=None, after_microbatch=None):
+        self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
+        self.policy = policy_fn or policies.POLICIES[self.specs.run.policy]
+        self.after_microbatch = after_microbatch
+        self.roles = ["rollout"] * len(rt.cells)
+        self.timeline = RoleTimeline(len(rt.cells))
+        self.trace = TraceWriter(rt.path("trace.jsonl"), self.specs.agent.max_seconds)
+        self.counters = collections.Counter()  # dispatched, finished
+        self.handovers = collections.Counter()
+        self.steps: dict[int, StepWork] = {}
+        self.next_step = self.trainer.version  # one optimizer step per RL step
+        self.wake = asyncio.Event()
+        self._rr = 0
+
+    # ------------------------------------------------------------------ policy and roles
+
+    def snapshot(self) -> policies.LoadSnapshot:
+        # Only the oldest step's micro-batches are trainable now (see train_one).
+        oldest = self.steps[min(self.steps)] if self.steps else None
+        k, run = len(self.roles), self.specs.run
+        engines = self.proxy.engines  # by cell index
+        live = tuple(engines[i].num_live if r == "rollout" else 0
+                     for i, r in enumerate(self.roles))  # fmt: skip
+        return policies.LoadSnapshot(
+            roles=tuple(self.roles),
+            dispatched=self.counters["dispatched"],
+            started=self.counters["dispatched"],
+            finished=self.counters["finished"],
+            live_requests=live,
+            train_queue_tokens=oldest.queued_tokens if oldest else 0.0,
+            rollout_capacity=(float(self.specs.rollout.slots),) * k,
+            train_throughput=(1.0,) * k,
+            switch_r2t_s=run.switch_cost_s,
+            switch_t2r_s=run.switch_cost_s,
+            step=self.next_step,
+            weight_version=self.trainer.version,
+            total_steps=run.steps,
+            next_batch=run.executions_per_step,
+        )
+
+    def apply_roles(self, roles) -> None:
+        for i, role in enumerate(roles):
+            if role == self.roles[i]:
+                continue
+            if role == "train":
+                self.handovers.update(self.proxy.release(i, self.specs.run.handover))
+            else:
+                self.proxy.admit(i, self.trainer.params, self.trainer.version)
+            self.roles[i] = role
+            self.timeline.switch(i, role)
+
+    # ------------------------------------------------------------------ rollout side
+
+    def dispatch(self, step: int) -> None:
+        run = self.specs.run
+        tasks = step_tasks(self.rt.env, run.seed, step, run.tasks_per_step)
+        work = StepWork(step, self.trainer.version, len(tasks), time.time())
+        self.steps[step] = work
+        self.counters["dispatched"] += len(tasks) * run.samples_per_task
+        for group, task in enumerate(tasks):
+            asyncio.create_task(self._run_group(work, task, group))
+        self.next_step = step + 1
+
+    async def _run_group(self, work: StepWork, task, group: int) -> None:
+        client = Notifying(self.proxy, self.wake.set)
+
+        async def one(k: int):
+            start = self.timeline.now()
+            # Sample k's id '<task>/<k>#0' keys its sampling: unique, and the same on resume.
+            res = await run_execution(self.rt.env, task, client, self.specs.agent,
+                                      f"{task.task_id}/{k}#0")  # fmt: skip
+            self.counters["finished"] += 1
+            self.trace.record(res, work.step, group, start, self.timeline.now())
+            self.wake.set()
+            return res
+
+        results = await asyncio.gather(*(one(k) for k in range(self.specs.run.samples_per_task)))
+        work.add_group(list(results), self.specs.trajectory)
+        self.wake.set()
+
+    # ------------------------------------------------------------------ train side
+
+    def train_one(self) -> bool:
+        """Computes one queued micro-batch on the next train cell; False if nothing to do."""
+        cells = [c for c in self.rt.cells if self.roles[c.index] == "train"]
+        # Only the oldest step trains: a later step's gradient must be taken at the weights
+        # its update is applied to, which exist once the older step's update lands.
+        work = self.steps[min(self.steps)] if self.steps else None
+        if not cells or work is None or not work.queue:
+            return False
+        part, mb = work.queue.popleft()
+        cell = cells[self._rr % len(cells)]
+        self._rr += 1
+        t0 = time.time()
+        work.grads.append((part, self.trainer.compute_grads(cell, mb)))
+        self.timeline.busy(cell.index, time.time() - t0)
+        if self.after_microbatch is not None:
+            self.after_microbatch(self.trainer.microbatches_done)
+        return True
+
+    def finish_step(self, work: StepWork) -> StepRecord:
+        """Applies the step's update, publishes the new weights, returns the step's record."""
+        outcome = self.trainer.apply_parts(work.grads, work.part_counts)
+        self.proxy.set_weights(self.trainer.params, self.trainer.version)
+        del self.steps[work.step]
+        return StepRecord(
+            work.step, self.trainer.version, work.version_at_dispatch,
+            time.time() - work.dispatched_at, work.results, work.reports, outcome,
+            self.timeline.fractions(), dict(self.handovers), self.proxy.prefix_hit_rate(),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def evaluate(self, num_tasks: int, seed: int) -> dict:
+        """Greedy held-out evaluation, on the roles it declares (gyre/rl/evaluation.py)."""
+        self.apply_roles(evaluation.required_roles(tuple(self.roles)))
+        return await evaluation.evaluate(self.rt.env, self.proxy, self.specs.agent, num_tasks,
+                                         seed)  # fmt: skip
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self, on_step=None) -> None:
+        """Runs until run.steps optimizer steps exist; ``await on_step(record)`` after each."""
+        self.wake = asyncio.Event()
+        pump = asyncio.create_task(self.proxy.run())
+        steps = self.specs.run.steps
+        try:
+            while self.trainer.version < steps:
+                alloc = self.policy(self.snapshot(), self.specs.policy)
+                self.apply_roles(alloc.roles)
+                if alloc.dispatch and self.next_step < steps:
+                    self.dispatch(self.next_step)
+                    continue
+                ready = [w for w in self.steps.values() if w.ready]
+                if ready:
+                    record = self.finish_step(min(ready, key=lambda w: w.step))
+                    if on_step is not None:
+                        await on_step(record)
+                    continue
+                if self.train_one():
+                    await asyncio.sleep(0)  # let rollout progress between micro-batches
+                    continue
+                if not self.steps:
+                    raise RuntimeError(
+                        f"scheduler {self.specs.run.policy!r} made no progress: roles "
+                        f"{self.roles}, reason {alloc.reason!r}"
+                    )
+                self.wake.clear()
+                await self.wake.wait()
+        finally:
+            pump.cancel()

@@ -1,0 +1,48 @@
+"""Greedy held-out evaluation: which roles it needs, and the evaluation itself.
+
+Evaluation runs on rollout cells. :func:`required_roles` says which roles a cell layout must
+change to for it (the controller applies them like any allocation, so the timeline shows them);
+:func:`evaluate` then runs the tasks through the harness with temperature 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gyre.agent.context import AgentSettings
+from gyre.agent.harness import run_executions
+
+# Held-out task seeds start here; training draws its task seeds below 2**31 - 1 from
+# (seed, step), and evaluation seeds are offset from them by construction.
+HELD_OUT_BASE = 10**6
+
+
+class Temperature:
+    """A generate client that overrides the sampling temperature (greedy evaluation)."""
+
+    def __init__(self, client, temperature: float):
+        self.client, self.temperature = client, temperature
+
+    async def generate(self, request):
+        return await self.client.generate(
+            dataclasses.replace(request, temperature=self.temperature)
+        )
+
+
+def required_roles(roles: tuple[str, ...]) -> tuple[str, ...]:
+    """``roles`` with at least one rollout cell (the core's neighbours stay as they are)."""
+    if "rollout" in roles:
+        return tuple(roles)
+    return ("rollout",) + tuple(roles[1:])
+
+
+async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: int) -> dict:
+    """Greedy success and milestone rate on ``num_tasks`` held-out tasks keyed by ``seed``."""
+    tasks = env.make_tasks(HELD_OUT_BASE + seed, num_tasks)
+    res = await run_executions(env, tasks, Temperature(client, 0.0), settings)
+    return {
+        "eval_success": float(np.mean([r.end_reason == "success" for r in res])),
+        "eval_milestones": float(np.mean([r.milestones / max(1, r.num_milestones) for r in res])),
+    }

@@ -1,0 +1,112 @@
+"""Frozen settings of the RL runtime itself, and the bundle of every part's spec.
+
+Each part owns its spec next to its code (ModelSpec in gyre/model/decoder.py, TrainerSpec in
+gyre/train/step.py, ...); :func:`gyre.rl.builder.build_specs` makes all of them from the
+config once, and nothing below the builder reads the config again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gyre.agent.context import AgentSettings
+from gyre.elastic.policy import PolicyParams
+from gyre.envs.registry import EnvSpec
+from gyre.mesh import MeshSpec
+from gyre.model.decoder import ModelSpec
+from gyre.rollout.programs import RolloutSpec
+from gyre.train.step import TrainerSpec
+from gyre.trajectory.batch import TrajectorySpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What the controller runs: ``steps`` RL steps of tasks_per_step x samples_per_task
+    executions under ``policy``; ``seed`` keys every step's tasks."""
+
+    steps: int
+    tasks_per_step: int
+    samples_per_task: int
+    policy: str = "elastic"
+    handover: str = "migrate"
+    switch_cost_s: float = 0.0
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def __post_init__(self):
+        names = ("steps", "tasks_per_step", "samples_per_task", "checkpoint_every",
+                 "keep_checkpoints")  # fmt: skip
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"run setting {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def executions_per_step(self) -> int:
+        return self.tasks_per_step * self.samples_per_task
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Greedy held-out evaluation: ``tasks`` tasks every ``every`` steps (0: start and end)."""
+
+    tasks: int = 0
+    every: int = 0
+    seed: int = 0
+
+    def due(self, version: int, last: bool) -> bool:
+        """Whether to evaluate after the optimizer step that made weight ``version``."""
+        return bool(self.tasks) and (last or bool(self.every and version % self.every == 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class SftRecipe:
+    """What the warm start's weights depend on; its hash is the warm-start cache key, so a new
+    field here changes the key without any list to update. ``trainer`` and ``trajectory`` are
+    the RL specs with the SFT objective, learning rate and packing (token-mean, all paths)."""
+
+    trainer: TrainerSpec
+    trajectory: TrajectorySpec
+    env: EnvSpec
+    batch: int = 16  # demonstrations per step
+    mistake_prob: float = 0.1
+    context_window: int = 512
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """The supervised warm start (gyre/rl/warmstart.py): a recipe and its stopping rule.
+
+    The stopping rule is not part of the cache key: demonstrations are keyed by step, so a
+    longer warm start continues a cached shorter one exactly."""
+
+    recipe: SftRecipe
+    steps: int = 0
+    target_accuracy: float = 0.0
+    eval_every: int = 50
+    eval_tasks: int = 16
+    dir: str = ""  # "" = <workdir>/warmstart
+
+    def done(self, steps: int, accuracy: float) -> bool:
+        target = self.target_accuracy
+        return steps >= self.steps or bool(target and accuracy >= target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """Every part's spec, as the builder made them."""
+
+    name: str
+    seed: int
+    mesh: MeshSpec
+    model: ModelSpec
+    rollout: RolloutSpec
+    trainer: TrainerSpec
+    trajectory: TrajectorySpec
+    agent: AgentSettings
+    env: EnvSpec
+    policy: PolicyParams
+    run: RunSpec
+    eval: EvalSpec
+    sft: SftSpec

@@ -1,0 +1,98 @@
+"""Supervised warm start on expert ledger demonstrations, through the same packing path as RL.
+
+Demonstrations are real harness executions of the scripted expert (gyre/rl/demos.py) with
+occasional near-miss mistakes that are then corrected. They go through the one packing
+pipeline (``build_batch(..., "sft", token_masks)``): every selected path gets the token-mean
+coefficient, and the value digits of wrong commits get zero weight (otherwise the model learns
+to err on purpose).
+
+Training stops when the greedy held-out milestone rate (the per-step accuracy) reaches
+``target_accuracy`` or after ``steps``; the result is cached in a folder keyed by the hash of
+the :class:`~gyre.rl.specs.SftRecipe`, so later runs (and ablations) start from the same
+weights without paying for it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+from gyre.rl.demos import demo_executions
+from gyre.rl.specs import SftRecipe, SftSpec
+from gyre.train.checkpoint import Checkpointer
+from gyre.train.step import Trainer
+from gyre.trajectory.batch import ExecutionResult, build_batch
+from gyre.trajectory.pack import PackedBatch
+
+
+def demo_batch(recipe: SftRecipe, seed: int, n: int) -> PackedBatch:
+    """n demonstrations packed as tree rows; w = token-mean weight, 0 on mistaken digits."""
+    demos = demo_executions(
+        seed,
+        n,
+        num_ops=recipe.env.num_ops,
+        mistake_prob=recipe.mistake_prob,
+        modulus=recipe.env.modulus,
+        context_window=recipe.context_window,
+    )
+    results = [ExecutionResult(d.records, d.task.task_id) for d in demos]
+    batch, report = build_batch(results, recipe.trajectory, "sft", [d.loss_masks for d in demos])
+    if report.rejected:
+        raise ValueError(f"demonstrations rejected by the packer: {report.rejected}")
+    return batch
+
+
+def fingerprint(recipe: SftRecipe) -> str:
+    """16 hex digits of the recipe's hash: the warm-start cache key."""
+    text = json.dumps(dataclasses.asdict(recipe), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def warm_start(spec: SftSpec, cells, graphdef, params, folder: str, evaluate):
+    """Returns (params, info). ``evaluate(params) -> dict`` with 'eval_milestones' in [0, 1].
+
+    ``params`` (the starting weights of a fresh warm start) must be initialised from
+    ``spec.recipe.seed``: the cache is keyed by that seed.
+
+    A cached warm start in ``folder`` with the same fingerprint is loaded, and continued if
+    it stopped short of ``spec.steps`` without reaching the target accuracy. Progress is
+    saved at every evaluation, so a killed warm start resumes too.
+    """
+    recipe = spec.recipe
+    fp = fingerprint(recipe)
+    info_path = os.path.join(folder, f"warmstart-{fp}.json")
+    os.makedirs(folder, exist_ok=True)
+    ckpt = Checkpointer(os.path.join(folder, f"checkpoints-{fp}"), keep=1)
+    info = {"fingerprint": fp, "steps": 0, "accuracy": 0.0, "history": [], "seconds": 0.0}
+    try:
+        if os.path.exists(info_path) and ckpt.latest_step() is not None:
+            trainer, _ = Trainer.restore(recipe.trainer, cells, graphdef, ckpt)
+            with open(info_path) as f:
+                info = json.load(f)
+            if spec.done(trainer.step, info["accuracy"]):
+                return trainer.params, dict(info, cached=True)
+        else:
+            trainer = Trainer(recipe.trainer, cells, graphdef, params)
+        t0, spent = time.time(), info["seconds"]
+        while not spec.done(trainer.step, info["accuracy"]):
+            step = trainer.step
+            batch = demo_batch(recipe, seed=recipe.seed * 1_000_003 + step, n=recipe.batch)
+            out = trainer.train_step(cells, batch)
+            if trainer.step % spec.eval_every and trainer.step < spec.steps:
+                continue
+            acc = float(evaluate(trainer.params)["eval_milestones"])
+            seconds = round(spent + time.time() - t0, 1)
+            info["history"].append({"step": trainer.step, "nll": out.metrics["loss"],
+                                    "accuracy": acc, "seconds": seconds})  # fmt: skip
+            info.update(steps=trainer.step, accuracy=acc, seconds=seconds)
+            print(f"warm start step {trainer.step}: nll {out.metrics['loss']:.4f} "
+                  f"per-step accuracy {acc:.3f}", flush=True)  # fmt: skip
+            trainer.save(ckpt, {"fingerprint": fp}, wait=True)
+            with open(info_path, "w") as f:
+                json.dump(info, f, indent=2)
+        return trainer.params, dict(info, cached=False)
+    finally:
+        ckpt.close()

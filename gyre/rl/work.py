@@ -1,0 +1,136 @@
+"""One RL step's work from dispatch to update, and the step's metrics as a pure function.
+
+A step's executions finish group by group (the samples of one task); each finished group goes
+through the packing pipeline at once (:meth:`StepWork.add_group`), so training streams while
+other groups still roll out. Every group is one *part* of the step with its own loss
+normaliser; the trainer rescales the parts' gradients to the whole step's normaliser
+(:meth:`gyre.train.step.Trainer.apply_parts`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from gyre.envs.base import Task
+from gyre.train.step import StepOutcome, split_microbatches
+from gyre.trajectory.advantages import execution_score
+from gyre.trajectory.batch import ExecutionResult, TrajectorySpec, build_batch
+
+
+def step_tasks(env, seed: int, step: int, num_tasks: int) -> list[Task]:
+    """The tasks of one RL step: keyed by (seed, step) so a resumed run draws the same ones."""
+    task_seed = int(np.random.default_rng([seed, step]).integers(2**31 - 1))
+    return env.make_tasks(task_seed, num_tasks)
+
+
+@dataclasses.dataclass
+class StepWork:
+    """One optimizer step's executions and training, from dispatch to update."""
+
+    step: int
+    version_at_dispatch: int
+    groups_left: int
+    dispatched_at: float
+    results: list = dataclasses.field(default_factory=list)  # ExecutionResults
+    reports: list = dataclasses.field(default_factory=list)  # BatchReports, one per group
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    grads: list = dataclasses.field(default_factory=list)  # (part, GradResult)
+    part_counts: list = dataclasses.field(default_factory=list)  # normaliser per part
+
+    @property
+    def ready(self) -> bool:
+        return self.groups_left == 0 and not self.queue
+
+    @property
+    def queued_tokens(self) -> float:
+        """Trainable tokens waiting in the queue (the policy's train load)."""
+        return sum(float(np.sum(mb.arrays["w"] > 0)) for _, mb in self.queue)
+
+    def add_group(self, results: list[ExecutionResult], spec: TrajectorySpec) -> None:
+        """Packs one finished group and queues its micro-batches as a new part."""
+        self.results += results
+        packable = [r for r in results if r.records]
+        if packable:
+            batch, report = build_batch(packable, spec)
+            self.reports.append(report)
+            if report.used:
+                part = len(self.part_counts)
+                self.part_counts.append(report.normaliser)
+                for mb in split_microbatches(batch, spec.rows_per_microbatch):
+                    self.queue.append((part, mb))
+        self.groups_left -= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one finished step hands on: its executions, packing reports and update outcome,
+    and the run-level counters sampled when it finished."""
+
+    step: int
+    version: int  # weight version after the step
+    version_at_dispatch: int
+    seconds: float  # dispatch to update
+    results: list
+    reports: list
+    outcome: StepOutcome | None  # None: nothing was trainable (the weights stayed)
+    role_fractions: dict
+    handovers: dict
+    prefix_hit_rate: float
+
+    @property
+    def execution_ids(self) -> list[str]:
+        return sorted(r.execution_id for r in self.results)
+
+
+def signal_fraction(results, reward: str = "partial") -> float:
+    """Fraction of task groups whose trained rewards differ (those that carry a signal).
+
+    ``reward`` is trajectory.reward (binary counts success only); infrastructure errors are
+    never trained on and are left out.
+    """
+    groups = collections.defaultdict(set)
+    for r in results:
+        score = execution_score(r.end_reason, r.score or 0.0, reward=reward)
+        group = groups[r.task_id]
+        if score is not None:
+            group.add(round(score, 9))
+    return float(np.mean([len(v) > 1 for v in groups.values()])) if groups else 0.0
+
+
+def step_metrics(record: StepRecord, reward: str = "partial") -> dict:
+    """The metrics row of one step (a pure function of its record)."""
+    res, reports = record.results, record.reports
+    scores = [r.score for r in res if r.score is not None]
+    partial = [r.score for r in res if r.score is not None and r.end_reason != "success"]
+    reasons = collections.Counter(r.end_reason for r in res)
+    m = {
+        "reward": float(np.mean(scores)) if scores else 0.0,
+        "success": float(np.mean([r.end_reason == "success" for r in res])) if res else 0.0,
+        "partial": float(np.mean(partial)) if partial else 0.0,
+        "milestones": float(np.mean([r.milestones / max(1, r.num_milestones) for r in res]))
+        if res
+        else 0.0,
+        "signal_groups": signal_fraction(res, reward),
+        "executions": len(res),
+        "unique_tokens": sum(r.unique_tokens for r in reports),
+        "flat_tokens": sum(r.flat_tokens for r in reports),
+        "rejected": sum(len(r.rejected) for r in reports),
+        "step_seconds": round(record.seconds, 3),
+        "step": record.step,
+        "version": record.version,
+        "staleness": record.version - 1 - record.version_at_dispatch,
+    }
+    m.update({f"end_{k}": v for k, v in reasons.items()})
+    m["dup_ratio"] = m["flat_tokens"] / max(1, m["unique_tokens"])
+    m["generated_tokens"] = sum(int(r.completion.size) for x in res for r in x.records)
+    m["generated_tokens_per_s"] = m["generated_tokens"] / max(m["step_seconds"], 1e-9)
+    if record.outcome is not None:
+        m.update({k: v for k, v in record.outcome.metrics.items() if np.isscalar(v)})
+        m["applied"] = record.outcome.applied
+    m.update({f"role_{k}": v for k, v in record.role_fractions.items()})
+    m.update({f"handover_{k}": v for k, v in record.handovers.items()})
+    m["prefix_hit_rate"] = record.prefix_hit_rate
+    return m
