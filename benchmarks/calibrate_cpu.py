@@ -148,7 +148,7 @@ def time_train(ctrl, cfg, repeats: int):
     """compute_grads per micro-batch fill; -> (train rows, a full micro-batch)."""
     import jax
 
-    cell, rows = ctrl.cells[0], []
+    cell, rows = ctrl.rt.cells[0], []
     for real in range(1, cfg.train.rows_per_microbatch + 1):
         mb = synthetic_microbatch(cfg, real, seed=real)
         jax.block_until_ready(ctrl.trainer.compute_grads(cell, mb).grads)  # warm
@@ -168,16 +168,16 @@ def time_step(ctrl, mb, repeats: int):
 
     rows = []
     for r in range(repeats + 1):
-        res = ctrl.trainer.compute_grads(ctrl.cells[0], mb)  # apply_step donates its gradients
+        res = ctrl.trainer.compute_grads(ctrl.rt.cells[0], mb)  # apply_step donates its gradients
         jax.block_until_ready(res.grads)
         t0 = time.perf_counter()
         jax.block_until_ready(ctrl.trainer.apply_step([res]).metrics)
         jax.block_until_ready(ctrl.trainer.params)
         t1 = time.perf_counter()
         ctrl.proxy.set_weights(ctrl.trainer.params, ctrl.trainer.version)
-        jax.block_until_ready([e.state for e in ctrl.engines])
+        jax.block_until_ready([e.state for e in ctrl.proxy.engines.values()])
         t2 = time.perf_counter()
-        ctrl.save()
+        ctrl.trainer.save(ctrl.rt.checkpointer, {"next_step": ctrl.trainer.version}, wait=True)
         t3 = time.perf_counter()
         if r:  # the first repeat compiles the update program
             rows.append({"optimizer_s": t1 - t0, "publish_s": t2 - t1, "checkpoint_s": t3 - t2})
@@ -187,12 +187,12 @@ def time_step(ctrl, mb, repeats: int):
 def time_switch(ctrl, repeats: int):
     import jax
 
-    rows, k = [], len(ctrl.cells)
+    rows, k = [], len(ctrl.rt.cells)
     for _ in range(repeats):
         for roles in (["train"] + ["rollout"] * (k - 1), ["rollout"] * k):
             t = time.perf_counter()
             ctrl.apply_roles(roles)
-            jax.block_until_ready([e.state for e in ctrl.engines])
+            jax.block_until_ready([e.state for e in ctrl.proxy.engines.values()])
             rows.append({"seconds": time.perf_counter() - t, "to": roles[0]})
     return rows
 
@@ -202,12 +202,13 @@ def calibrate(cell_size: int = 4, repeats: int = 3, cache_dir: str = "/tmp/xcach
     cfg = tiny_config(cell_size, cache_dir)
     workdir = tempfile.mkdtemp(prefix="gyre_calibrate_")
     setup(cfg, workdir)
-    from gyre.elastic.controller import Controller
+    from gyre.rl.builder import build_runtime, build_specs
+    from gyre.rl.controller import Controller
 
-    ctrl = Controller(cfg, workdir)
+    ctrl = Controller(build_runtime(build_specs(cfg), workdir))
     r = cfg.rollout
     prefill, decode = time_engine(
-        ctrl.engines[0], batches=(1, 2, 4, r.slots), prompts=(20, r.prefill_chunk + 8, 2 * r.prefill_chunk + 8),
+        ctrl.proxy.engines[0], batches=(1, 2, 4, r.slots), prompts=(20, r.prefill_chunk + 8, 2 * r.prefill_chunk + 8),
         new_tokens=r.max_new_tokens, repeats=repeats,
     )  # fmt: skip
     train, mb = time_train(ctrl, cfg, 3 * repeats)
@@ -222,7 +223,7 @@ def calibrate(cell_size: int = 4, repeats: int = 3, cache_dir: str = "/tmp/xcach
         "setting": {
             "config": "experiments/quickstart.py:tiny",
             "cell_size": cell_size,
-            "cells": len(ctrl.cells),
+            "cells": len(ctrl.rt.cells),
             "model": {k: m[k] for k in ("d_model", "num_layers", "d_ff", "vocab_size")},
             "slots": r.slots,
             "max_len": r.max_len,
@@ -240,7 +241,7 @@ def calibrate(cell_size: int = 4, repeats: int = 3, cache_dir: str = "/tmp/xcach
             "slots": r.slots,
             "prefill_chunk": r.prefill_chunk,
             "microbatch_tokens": cfg.train.rows_per_microbatch * cfg.trajectory.row_len,
-            "handover_reprefill": cfg.run.handover == "retry",
+            "handover_reprefill": cfg.scheduler.handover == "retry",
             "shared_cores": True,  # every cell of this CPU runs on the same two cores
         },
     }

@@ -25,6 +25,7 @@ from flax import nnx
 from gyre import mesh as gmesh
 from gyre.config import default_config
 from gyre.model import decoder as gdec
+from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
 from gyre.rollout.types import GenerateRequest
 
@@ -61,7 +62,7 @@ def requests(batch, prompt_len, new, vocab, call):
 
 def engine_rate(cfg, cell, state, batch, prompt_len, new):
     """-> (decode tokens/s, prefill tokens/s, decode steps) of one timed pass after a warm-up."""
-    engine = Engine(cfg, cell, state)
+    engine = Engine(build_specs(cfg).rollout, cell, state)
     for call in range(2):  # call 0 compiles, call 1 is timed
         for r in requests(batch, prompt_len, new, cfg.model.vocab_size, call):
             engine.submit(r)
@@ -123,7 +124,7 @@ def main():
     figures["new_tokens"] = new
     for b in batches:
         cfg = tiny_config(b, max_len)
-        graphdef, state = gdec.init_sharded(cfg.model, 0, cell, "rollout")
+        graphdef, state = gdec.init_sharded(build_specs(cfg).model, 0, cell, "rollout")
         decode_tps, prefill_tps, _ = engine_rate(cfg, cell, state, b, prompt_len, new)
         base_tps = baseline_rate(cfg, graphdef, state, b, prompt_len, new)
         ideal, actual = step_bytes(cfg, state, b, prompt_len, new)

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from gyre.config import default_config
+from gyre.rl.builder import build_specs
 from gyre.trajectory.batch import ExecutionResult, build_batch
 from gyre.trajectory.records import make_record
 
@@ -78,7 +79,7 @@ def run_case(name, results, cfg, repeats: int):
     walls, cpus = [], []
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        batch, rep = build_batch(results, cfg, buckets=(1,))
+        batch, rep = build_batch(results, build_specs(cfg).trajectory, buckets=(1,))
         cpus.append(time.process_time() - c0)
         walls.append(time.perf_counter() - t0)
         assert not rep.rejected, rep.rejected[:3]

@@ -46,7 +46,7 @@ def load_run(workdir: str) -> dict:
     return {
         "workdir": workdir,
         "evals": evals,
-        "eval_tasks": cfg["run"]["eval_tasks"],
+        "eval_tasks": cfg["eval"]["tasks"],
         "seed": cfg["seed"],
         "success": success,
         "first": float(success[:WINDOW].mean()),

@@ -48,7 +48,7 @@ class Probe:
     """
 
     def __init__(self):
-        from gyre.elastic.controller import Controller
+        from gyre.rl.controller import Controller
         from gyre.rollout.engine import Engine
         from gyre.train.step import Trainer
 
@@ -76,7 +76,7 @@ class Probe:
         # Gradients dispatch asynchronously; finish_step waits for them, so train_s is whole.
         for cls, name, key in ((Trainer, "compute_grads", "train_s"),
                                (Controller, "finish_step", "train_s"),
-                               (Controller, "save", "checkpoint_s")):  # fmt: skip
+                               (Trainer, "save", "checkpoint_s")):  # fmt: skip
             self._wrap(cls, name, key)
 
     def _wrap(self, cls, name: str, key: str) -> None:
@@ -106,22 +106,26 @@ class Probe:
 
 
 def run_real(cfg, workdir: str, probe: Probe) -> tuple[list[float], object]:
-    """Runs the controller; -> (wall seconds at each step's end since the run began, ctrl)."""
-    from gyre.elastic.controller import Controller
+    """Runs the controller, checkpointing every step as the rl experiment does;
+    -> (wall seconds at each step's end since the run began, ctrl)."""
+    from gyre.rl.builder import build_runtime, build_specs
+    from gyre.rl.controller import Controller
 
     probe.reset()
-    ctrl = Controller(cfg, workdir)
+    rt = build_runtime(build_specs(cfg), workdir)
+    ctrl = Controller(rt)
     ends: list[float] = []
     t0 = time.perf_counter()
 
-    def on_step(_):
+    async def on_step(record):
+        rt.trainer.save(rt.checkpointer, {"next_step": record.version}, wait=True)
         ends.append(time.perf_counter() - t0)
         probe.end_step(ends[-1] - (ends[-2] if len(ends) > 1 else 0.0))
 
     try:
         asyncio.run(ctrl.run(on_step))
     finally:
-        ctrl.ckpt.close()
+        rt.checkpointer.close()
     return ends, ctrl
 
 
@@ -154,10 +158,10 @@ def calibrate_in_situ(cfg, args, probe: Probe, base):
 
 def predict(cfg, steps: list, num_cells: int, cost):
     """Simulates the recorded executions under the run's own policy and parameters."""
-    from gyre.elastic import policy, sim
+    from gyre.elastic import sim
+    from gyre.rl.builder import build_specs
 
-    return sim.simulate(steps, num_cells, cfg.run.scheduler, cost,
-                        policy.PolicyParams.from_run(cfg.run))  # fmt: skip
+    return sim.simulate(steps, num_cells, cfg.scheduler.policy, cost, build_specs(cfg).policy)
 
 
 def main() -> None:
@@ -191,7 +195,7 @@ def main() -> None:
 
     ends, ctrl = run_real(cfg, workdir, probe)
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    res = predict(cfg, steps, len(ctrl.cells), cost)
+    res = predict(cfg, steps, len(ctrl.rt.cells), cost)
     measured, predicted = np.diff(ends), np.diff(res.step_end_s)
     spent = [r["engine_s"] + r["train_s"] + r["checkpoint_s"] for r in probe.steps]
     calls = [sum(len(ex.calls) for ex in b) for b in steps]
@@ -199,8 +203,8 @@ def main() -> None:
     # The model fitted on this run's own timings: its error is the model's structure alone,
     # without the drift of the programs' speed between two runs.
     own = fit_probe(probe, steps, cost, "this run")
-    own_p = float(np.diff(predict(cfg, steps, len(ctrl.cells), own).step_end_s).sum())
-    print(f"real run: {len(ctrl.cells)} cells, policy {cfg.run.scheduler}, calibration "
+    own_p = float(np.diff(predict(cfg, steps, len(ctrl.rt.cells), own).step_end_s).sum())
+    print(f"real run: {len(ctrl.rt.cells)} cells, policy {cfg.scheduler.policy}, calibration "
           f"{args.calibration!r} ({cost.source})")  # fmt: skip
     print("cost model (ms): " + ", ".join(
         f"{k} {getattr(cost, k) * 1e3:.3f}" for k in (
@@ -228,7 +232,7 @@ def main() -> None:
         f"({(own_p - total_m) / total_m:+.1%}): the model's own error, without drift between runs"
     )
     print(json.dumps({
-        "steps_compared": len(measured), "cells": len(ctrl.cells),
+        "steps_compared": len(measured), "cells": len(ctrl.rt.cells),
         "measured_s": round(total_m, 4), "predicted_s": round(total_p, 4),
         "rel_error": round(err, 4), "per_step_abs_error_median": round(float(np.median(per_step)), 4),
         "per_step_abs_error_max": round(float(per_step.max()), 4),

@@ -18,6 +18,7 @@ linear layers per real token and attention per visible query-key pair. Goal: mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -28,6 +29,7 @@ import numpy as np
 from gyre.config import default_config
 from gyre.mesh import make_cells
 from gyre.model import decoder
+from gyre.rl.builder import build_specs
 from gyre.train.step import Trainer, split_microbatches
 from gyre.trajectory.batch import ExecutionResult, build_batch
 from gyre.trajectory.records import make_record
@@ -116,7 +118,8 @@ def main():
     cfg.trajectory.max_paths = 8
     cfg.train.rows_per_microbatch = 1
     cells = make_cells(1)[:1]
-    graphdef, params = decoder.init_sharded(cfg.model, args.seed, cells[0], "train")
+    specs = build_specs(cfg)
+    graphdef, params = decoder.init_sharded(specs.model, args.seed, cells[0], "train")
     rng = np.random.default_rng(args.seed)
 
     print(f"{'shape':9} {'D':>5} {'rows t/f':>9} {'tree s':>8} {'flat s':>8} {'speedup':>8} "
@@ -127,18 +130,18 @@ def main():
             ExecutionResult(
                 agent_execution(rng, f"{name}{i}", cfg.model.vocab_size, *shape,
                                 end_reason="success" if i % 2 else "failure"),
-                "task", judge_score=0.3,
+                "task", score=0.3,
             )
             for i in range(args.executions)
         ]  # fmt: skip
         batches = {}
         for mode in ("tree", "flat"):
-            cfg.trajectory.packing = mode
-            batches[mode], report = build_batch(execs, cfg, buckets=(1,))
+            spec = dataclasses.replace(specs.trajectory, packing=mode)
+            batches[mode], report = build_batch(execs, spec, buckets=(1,))
             assert not report.rejected, report.rejected
         d = report.flat_tokens / report.unique_tokens
         ideal = flops(batches["flat"], cfg) / flops(batches["tree"], cfg)
-        trainers = {mode: Trainer(cfg, cells, graphdef, params) for mode in batches}
+        trainers = {mode: Trainer(specs.trainer, cells, graphdef, params) for mode in batches}
         grads = {mode: grads_of(trainers[mode], cells[0], b, 1) for mode, b in batches.items()}
         secs = time_steps(trainers, cells, batches, args.runs)
         gt, gf = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(grads[m])]) for m in grads)

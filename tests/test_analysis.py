@@ -178,7 +178,7 @@ def test_replay_workdir_simulates_the_run_s_own_trace(tmp_path):
     from gyre.elastic.workload import WorkloadSpec, generate, write_trace
 
     cfg = default_config()
-    cfg.run.scheduler = "colocate"
+    cfg.scheduler.policy = "colocate"
     (tmp_path / "config.json").write_text(cfg.to_json_best_effort())
     spans = [{"cell": c, "role": "rollout", "start": 0.0, "end": 1.0} for c in range(3)]
     (tmp_path / "timeline.json").write_text(json.dumps(spans))

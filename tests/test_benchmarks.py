@@ -44,7 +44,7 @@ def fake_run(path, seed: int, success: list[float], evals: dict[int, tuple[float
     with open(os.path.join(path, "summary.json"), "w") as f:
         json.dump({"eval_start": start, "wall_seconds": 120.0}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"seed": seed, "run": {"eval_tasks": 100}}, f)
+        json.dump({"seed": seed, "eval": {"tasks": 100}}, f)
     with open(os.path.join(path, "trace.jsonl"), "w") as f:  # group 0 mixed, group 1 not
         for group, reasons in enumerate((("success", "failure", "infra_error"),
                                          ("failure", "timeout", "infra_error"))):  # fmt: skip

@@ -7,6 +7,7 @@ from test_train_step import small_config, step_batch
 
 from gyre.mesh import make_cells
 from gyre.model import decoder
+from gyre.rl.builder import build_specs
 from gyre.train.checkpoint import Checkpointer
 from gyre.train.step import Trainer, TrainingDiverged
 
@@ -17,25 +18,25 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def _run(trainer, cells, steps):
-    return [trainer.train_step(cells, *step_batch(trainer.cfg, s)).metrics["loss"] for s in steps]
+def _run(trainer, specs, cells, steps):
+    return [trainer.train_step(cells, *step_batch(specs, s)).metrics["loss"] for s in steps]
 
 
 def test_resume_on_another_layout_matches_the_uninterrupted_run(tmp_path):
-    cfg = small_config()
+    specs = build_specs(small_config())
     cells = make_cells(2)[:2]  # two train cells of 2 devices
-    graphdef, params = decoder.init_sharded(cfg.model, 0, cells[0], "train")
-    straight = Trainer(cfg, cells, graphdef, params)
-    want = _run(straight, cells, range(4))
+    graphdef, params = decoder.init_sharded(specs.model, 0, cells[0], "train")
+    straight = Trainer(specs.trainer, cells, graphdef, params)
+    want = _run(straight, specs, cells, range(4))
 
-    first = Trainer(cfg, cells, graphdef, params)
-    got = _run(first, cells, range(2))
+    first = Trainer(specs.trainer, cells, graphdef, params)
+    got = _run(first, specs, cells, range(2))
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
     first.save(ckpt, {"note": "half-way", "queue": [1, 2]})  # asynchronous
     ckpt.wait()
 
     other = make_cells(1)[:1]  # one cell of 1 device: another count and size
-    resumed, meta = Trainer.restore(cfg, other, graphdef, ckpt)
+    resumed, meta = Trainer.restore(specs.trainer, other, graphdef, ckpt)
     assert meta == {"note": "half-way", "queue": [1, 2]}
     assert (resumed.step, resumed.version) == (2, 2)
     assert resumed.microbatches_done == first.microbatches_done == 4
@@ -45,7 +46,7 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(tmp_path):
     for a, b in zip(_leaves(resumed.opt_state), _leaves(first.opt_state)):
         np.testing.assert_array_equal(a, b)
     assert jax.tree.leaves(resumed.params)[0].sharding.mesh == other[0].mesh
-    got += _run(resumed, other, range(2, 4))
+    got += _run(resumed, specs, other, range(2, 4))
     # same losses; only the reduction order of the new layout may differ in the last bits
     np.testing.assert_allclose(got, want, rtol=2e-6)
     for a, b in zip(_leaves(resumed.params), _leaves(straight.params)):
@@ -56,29 +57,30 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(tmp_path):
 def test_divergence_leaves_the_last_good_checkpoint_intact(tmp_path):
     cfg = small_config()
     cfg.train.max_bad_steps = 2
+    specs = build_specs(cfg)
     cells = make_cells(2)[:1]
-    graphdef, params = decoder.init_sharded(cfg.model, 1, cells[0], "train")
-    trainer = Trainer(cfg, cells, graphdef, params)
+    graphdef, params = decoder.init_sharded(specs.model, 1, cells[0], "train")
+    trainer = Trainer(specs.trainer, cells, graphdef, params)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1)
-    trainer.train_step(cells, *step_batch(cfg, 0))
+    trainer.train_step(cells, *step_batch(specs, 0))
     trainer.save(ckpt)
     good = _leaves(trainer.params)
-    bad, names = step_batch(cfg, 1)
+    bad, names = step_batch(specs, 1)
     bad.adv_pos[...] = np.where(bad.w > 0, np.inf, 0.0)  # non-finite advantages
     with pytest.raises(TrainingDiverged):
         for _ in range(3):
             if trainer.train_step(cells, bad, names).applied:
                 trainer.save(ckpt)
     assert ckpt.all_steps() == [1]
-    restored, _ = Trainer.restore(cfg, cells, graphdef, ckpt)
+    restored, _ = Trainer.restore(specs.trainer, cells, graphdef, ckpt)
     for a, b in zip(_leaves(restored.params), good):
         np.testing.assert_array_equal(a, b)
     ckpt.close()
 
 
 def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
-    cfg = small_config()
+    specs = build_specs(small_config())
     cells = make_cells(2)[:1]
-    graphdef, _ = decoder.abstract_model(cfg.model)
+    graphdef, _ = decoder.abstract_model(specs.model)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        Trainer.restore(cfg, cells, graphdef, Checkpointer(str(tmp_path / "none")))
+        Trainer.restore(specs.trainer, cells, graphdef, Checkpointer(str(tmp_path / "none")))

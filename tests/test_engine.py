@@ -9,18 +9,20 @@ from flax import nnx
 from gyre import mesh as gmesh
 from gyre.config import default_config
 from gyre.model import decoder as gdec
+from gyre.rl.builder import build_specs
 from gyre.rollout import sampler
 from gyre.rollout.engine import Engine, common_prefix
+from gyre.rollout.programs import RolloutSpec
 from gyre.rollout.types import GenerateRequest
 
 
-def tiny_config():
+def tiny_spec() -> RolloutSpec:
     cfg = default_config()
     m = cfg.model
     m.d_model, m.num_layers, m.d_ff, m.num_heads, m.num_kv_heads, m.head_dim = 32, 2, 64, 2, 2, 16
     m.attention = "dense"  # the trainer-style reference forward below; the engine ignores it
     cfg.rollout.slots, cfg.rollout.max_len, cfg.rollout.prefill_chunk = 4, 64, 16
-    return cfg
+    return build_specs(cfg).rollout
 
 
 def peaked(state):
@@ -29,9 +31,9 @@ def peaked(state):
     return jax.tree_util.tree_map_with_path(scale, state)
 
 
-CFG = tiny_config()
+SPEC = tiny_spec()
 CELLS = gmesh.make_cells(2)  # 4 cells of 2 devices: slots split over 'data'
-GRAPHDEF, STATE = gdec.init_sharded(CFG.model, 0, CELLS[0], "rollout")
+GRAPHDEF, STATE = gdec.init_sharded(SPEC.model, 0, CELLS[0], "rollout")
 STATE = peaked(STATE)
 
 
@@ -41,7 +43,7 @@ def make_request(i, prompt_len, new, temperature=1.0, stop=(), seed=0):
 
 
 def run_alone(cell, requests, state=STATE):
-    engine = Engine(CFG, cell, state)
+    engine = Engine(SPEC, cell, state)
     rids = [engine.submit(r) for r in requests]
     out = engine.run_until_done()
     return [out[r] for r in rids], engine
@@ -60,7 +62,7 @@ def reference_logprobs(request, tokens, state=STATE):
     """Logprobs of ``tokens`` after ``request.prompt`` by the full forward (one padded shape)."""
     full = np.concatenate([request.prompt, tokens])
     t = full.size
-    padded = np.zeros((1, CFG.rollout.max_len), np.int32)
+    padded = np.zeros((1, SPEC.max_len), np.int32)
     padded[0, :t] = full  # causal: the padding after t changes nothing before it
     logits = np.asarray(full_forward_logits(state, padded))[0]
     p = request.prompt.size
@@ -106,7 +108,7 @@ def test_stop_token_and_cache_capacity():
 
 
 def test_bad_input_is_a_clear_error_and_engine_keeps_serving():
-    engine = Engine(CFG, CELLS[0], STATE)
+    engine = Engine(SPEC, CELLS[0], STATE)
     good = engine.submit(make_request(0, 6, 5))
     with pytest.raises(ValueError, match="exec1.*does not fit the cache"):
         engine.submit(make_request(1, 64, 5))
@@ -118,7 +120,7 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_serving():
 
 def test_prefix_reuse_matches_cold_prefill_and_rewinds():
     first = make_request(3, 21, 10, 1.0)
-    warm = Engine(CFG, CELLS[0], STATE)
+    warm = Engine(SPEC, CELLS[0], STATE)
     warm.submit(first)
     turn1 = warm.run_until_done()[0]
     warm.warmup()  # compiles ahead of use; must not touch any slot's cached tokens
@@ -145,7 +147,7 @@ def test_set_weights_mid_request_keeps_it_and_records_versions():
     req = make_request(4, 9, 12, 1.0)
     plain, _ = run_alone(CELLS[0], [req])
     new_state = jax.tree.map(lambda x: x * 1.05, STATE)
-    engine = Engine(CFG, CELLS[0], STATE)
+    engine = Engine(SPEC, CELLS[0], STATE)
     engine.submit(req)
     for _ in range(4):  # prefill + first decodes at version 0
         engine.step()
@@ -198,7 +200,7 @@ def test_sampler_top_p_greedy_and_row_independence():
 def test_new_weights_never_reuse_a_prefix_cached_under_old_weights():
     req = make_request(6, 20, 8, 1.0)
     new_state = jax.tree.map(lambda x: x * 1.05, STATE)
-    engine = Engine(CFG, CELLS[0], STATE)
+    engine = Engine(SPEC, CELLS[0], STATE)
     engine.submit(req)
     engine.run_until_done()
     engine.set_weights(new_state, 1)

@@ -5,10 +5,10 @@ packer bug cannot hide in both sides) and, when present, gyre.trajectory.pack wi
 ``flatten`` reference on hypothesis-generated branchy executions with forced row splits.
 """
 
+import dataclasses
 import functools
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,6 +18,7 @@ from strategies import branchy_execution
 from gyre.config import default_config
 from gyre.mesh import make_cells
 from gyre.model import decoder
+from gyre.rl.builder import build_specs
 from gyre.train import loss as tloss
 from gyre.train.step import Microbatch, Trainer, split_microbatches
 from gyre.trajectory.batch import ExecutionResult, build_batch
@@ -26,13 +27,13 @@ ROW = 128
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
 
-def tiny_config():
+def tiny_specs():
     cfg = default_config()
     cfg.model.update(vocab_size=32, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
                      head_dim=16, d_ff=64, attn_block=32)  # fmt: skip
     cfg.trajectory.row_len = ROW
     cfg.train.rows_per_microbatch = 4
-    return cfg
+    return build_specs(cfg)
 
 
 def agent_paths(seed, vocab=32):
@@ -161,14 +162,14 @@ def assert_same_grads(a, b, rtol=1e-5):
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = tiny_config()
+    specs = tiny_specs()
     cells = make_cells(1)
-    graphdef, params = decoder.init_sharded(cfg.model, 0, cells[0], "train")
-    return cfg, cells, graphdef, params, Trainer(cfg, cells, graphdef, params)
+    graphdef, params = decoder.init_sharded(specs.model, 0, cells[0], "train")
+    return specs, cells, graphdef, params, Trainer(specs.trainer, cells, graphdef, params)
 
 
 def test_tree_equals_flat_on_agent_shaped_execution(setup):
-    cfg, cells, graphdef, params, trainer = setup
+    _, cells, graphdef, params, trainer = setup
     rng = np.random.default_rng(0)
     paths = agent_paths(1)
     adv = np.array([1.0, -0.7, 0.4, -1.3, 0.9])  # mixed signs
@@ -196,7 +197,7 @@ def _pad_rows_noise(noise, rows):
 
 
 def test_microbatch_gradients_summed_over_cells_equal_single_batch(setup):
-    cfg, _, graphdef, params, single = setup
+    specs, _, graphdef, params, single = setup
     rng = np.random.default_rng(3)
     paths = agent_paths(2)
     adv = rng.normal(size=len(paths))
@@ -205,7 +206,7 @@ def test_microbatch_gradients_summed_over_cells_equal_single_batch(setup):
     flat["old_logp"] = model_logp(graphdef, params, flat) + _pad_rows_noise(noise, 8)
     whole = single.compute_grads(single.core, Microbatch(dict(flat), ["e"]))
     cells = make_cells(4)  # 2 cells of 4 devices; core = cells[0]
-    multi = Trainer(cfg, cells, graphdef, params)
+    multi = Trainer(specs.trainer, cells, graphdef, params)
     parts = split_microbatches(flat, 4)
     results = [multi.compute_grads(cells[i % 2], mb) for i, mb in enumerate(parts)]
     assert [r.cell_index for r in results] == [0, 1]
@@ -216,22 +217,21 @@ def test_microbatch_gradients_summed_over_cells_equal_single_batch(setup):
     np.testing.assert_allclose(loss, float(whole.metrics["loss"]), rtol=1e-5)
 
 
-def _execution_batches(cfg, seed, n_calls):
+def _execution_batches(specs, seed, n_calls):
     """Three executions of one task (mixed-sign advantages) packed as tree and as flat."""
     results = [
         ExecutionResult(
             branchy_execution(seed + i, n_calls=n_calls, vocab=16, max_obs=6, max_gen=8,
                               execution_id=f"e{i}"),
             "t0",
-            judge_score=i / 3,
+            score=i / 3,
         )
         for i in range(3)
     ]  # fmt: skip
     out = []
     for mode in ("tree", "flat"):
-        c = ml_collections.ConfigDict(cfg.to_dict())
-        c.trajectory.packing = mode
-        batch, report = build_batch(results, c, buckets=(16,))
+        spec = dataclasses.replace(specs.trajectory, packing=mode)
+        batch, report = build_batch(results, spec, buckets=(16,))
         assert not report.rejected, report.rejected
         out.append(batch)
     return out
@@ -249,9 +249,8 @@ def test_pack_equals_flatten_on_branchy_executions(setup, seed, n_calls):
 
 
 def check_pack_equivalence(setup, seed, n_calls):
-    cfg, cells, graphdef, params, trainer = setup
-    cfg = ml_collections.ConfigDict(cfg.to_dict())
-    tree, flat = _execution_batches(cfg, seed, n_calls)
+    specs, cells, graphdef, params, trainer = setup
+    tree, flat = _execution_batches(specs, seed, n_calls)
     if tree.tokens.shape != (16, ROW) or flat.tokens.shape != (16, ROW):
         return  # a rare oversize batch would only cost a second compile
     # old_logp per tree node: the current logp plus node-keyed noise (both sides agree)

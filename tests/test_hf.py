@@ -1,5 +1,6 @@
 """HF Qwen3 parity: load a random transformers checkpoint, compare logits (causal and tree)."""
 
+import dataclasses
 import json
 
 import jax
@@ -12,16 +13,15 @@ transformers = pytest.importorskip("transformers")
 
 from gyre.config import default_config  # noqa: E402
 from gyre.mesh import make_cells  # noqa: E402
-from gyre.model import apply, apply_logits  # noqa: E402
+from gyre.model import ModelSpec, apply, apply_logits  # noqa: E402
 from gyre.model.hf import config_from_hf, load_hf, save_hf  # noqa: E402
 
 T = 16
 
 
-def gyre_cfg():
-    cfg = default_config().model
-    cfg.attention = "dense"  # the reference path; test_model compares block_sparse against it
-    return cfg
+def gyre_cfg() -> ModelSpec:
+    # the reference path; test_model compares block_sparse against it
+    return dataclasses.replace(ModelSpec(**default_config().model), attention="dense")
 
 
 def torch_model(tie: bool, seed: int = 0):
@@ -128,6 +128,6 @@ def test_bfloat16_checkpoint_loads(tmp_path):
 def test_unsupported_config_is_a_clear_error():
     hf = json.loads(json.dumps(dict(model_type="qwen3", attention_bias=True)))
     with pytest.raises(ValueError, match="attention_bias"):
-        config_from_hf(hf)
+        config_from_hf(hf, gyre_cfg())
     with pytest.raises(ValueError, match="model_type"):
-        config_from_hf({"model_type": "llama"})
+        config_from_hf({"model_type": "llama"}, gyre_cfg())

@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.config import default_config
+from gyre.rl.builder import build_specs
 from gyre.train import loss as tloss
 
-CFG = tloss.LossConfig(clip_low=0.2, clip_high=0.28)
+CFG = tloss.LossSpec(clip_low=0.2, clip_high=0.28)
 
 
 def _ppo_path(r, a, cfg=CFG):
@@ -90,7 +91,7 @@ def test_clip_fractions_and_lag_metrics():
 
 
 def test_kl_penalty_is_k3_weighted_by_w():
-    cfg = tloss.LossConfig(kl_coef=0.5)
+    cfg = tloss.LossSpec(kl_coef=0.5)
     logp = jnp.array([[-1.0, -2.0]])
     ref = jnp.array([[-1.5, -2.0]])
     batch = _batch(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), [[2.0, 1.0]])
@@ -103,7 +104,7 @@ def test_kl_penalty_is_k3_weighted_by_w():
 
 
 def test_truncated_importance_weight_only_on_stale_tokens():
-    cfg = tloss.LossConfig(tis_cap=2.0)
+    cfg = tloss.LossSpec(tis_cap=2.0)
     logp = jnp.array([[-1.0, -1.0, -1.0]])
     old = [[-4.0, -1.2, -4.0]]  # pi/mu = e^3 (capped at 2), e^0.2, e^3
     batch = _batch(old, [[1.0, 1.0, 1.0]], np.zeros((1, 3)), np.ones((1, 3)),
@@ -125,5 +126,7 @@ def test_sft_loss_is_weighted_nll():
 def test_loss_config_rejects_bad_clip():
     cfg = default_config()
     cfg.train.clip_low = 1.5
-    with pytest.raises(ValueError, match="clip_low"):
-        tloss.LossConfig.from_config(cfg)
+    with pytest.raises(ValueError, match="clip_low"):  # a ConfigError from the builder
+        build_specs(cfg)
+    with pytest.raises(ValueError, match="clip_low"):  # the spec itself, at construction
+        tloss.LossSpec(clip_low=1.5)

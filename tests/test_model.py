@@ -1,5 +1,6 @@
 """Decoder: shapes, a plain causal reference, tree semantics, KV cache, logical axes, sharding."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,18 +12,22 @@ from jax.sharding import PartitionSpec as P
 
 from gyre.config import default_config
 from gyre.mesh import make_cells, tree_shardings
-from gyre.model import Decoder, apply, apply_cached, init_sharded, param_logical_axes
+from gyre.model import (
+    Decoder,
+    ModelSpec,
+    apply,
+    apply_cached,
+    init_sharded,
+    param_logical_axes,
+)
 
 T = 16
 
 
-def model_cfg(**overrides):
-    cfg = default_config().model
-    cfg.attn_block = 8
-    cfg.attention = "dense"  # the reference; block_sparse is compared against it explicitly
-    for key, value in overrides.items():
-        cfg[key] = value
-    return cfg
+def model_cfg(**overrides) -> ModelSpec:
+    # "dense" is the reference; block_sparse is compared against it explicitly
+    settings = {"attn_block": 8, "attention": "dense", **overrides}
+    return dataclasses.replace(ModelSpec(**default_config().model), **settings)
 
 
 def random_tree(seed: int, t: int):
@@ -110,7 +115,7 @@ def test_shapes_and_dtypes():
 
 
 def test_bad_heads_is_a_clear_error():
-    with pytest.raises(ValueError, match="num_kv_heads"):
+    with pytest.raises(ValueError, match="num_kv_heads"):  # the spec rejects it when built
         Decoder(model_cfg(num_heads=4, num_kv_heads=3), nnx.Rngs(0))
 
 

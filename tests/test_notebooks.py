@@ -38,7 +38,7 @@ def workdir(tmp_path_factory):
     cfg = quickstart.get_config("tiny")
     cfg.mesh.cell_size = 4  # two cells: fewer programs to compile
     cfg.mesh.cache_dir = str(base / "xla")
-    cfg.run.warmstart_dir = str(base / "warm")
+    cfg.sft.dir = str(base / "warm")
     run.main(cfg, str(base / "run"))
     return str(base / "run")
 

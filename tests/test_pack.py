@@ -3,10 +3,10 @@
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import ancestors_from_leave, clipped_objective
 from strategies import batches, branchy_execution
 
 from gyre.trajectory.advantages import path_coefficients
-from oracles import ancestors_from_leave, clipped_objective
 from gyre.trajectory.pack import (
     build_forest,
     flatten,

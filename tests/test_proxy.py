@@ -12,18 +12,20 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from gyre import mesh as gmesh
 from gyre.config import default_config
 from gyre.model import decoder as gdec
+from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
-from gyre.rollout.proxy import MODES, Proxy
-from gyre.rollout.types import GenerateRequest
+from gyre.rollout.proxy import Proxy
+from gyre.rollout.types import HANDOVERS, GenerateRequest
 
 # Same tiny model as tests/test_engine.py, so the per-cell programs are compiled once.
-CFG = default_config()
-_m = CFG.model
+_cfg = default_config()
+_m = _cfg.model
 _m.d_model, _m.num_layers, _m.d_ff, _m.num_heads, _m.num_kv_heads, _m.head_dim = 32, 2, 64, 2, 2, 16
 _m.attention = "dense"
-CFG.rollout.slots, CFG.rollout.max_len, CFG.rollout.prefill_chunk = 4, 64, 16
+_cfg.rollout.slots, _cfg.rollout.max_len, _cfg.rollout.prefill_chunk = 4, 64, 16
+SPEC = build_specs(_cfg).rollout
 CELLS = gmesh.make_cells(2)  # 8 fake devices -> 4 cells of 2
-_, STATE = gdec.init_sharded(CFG.model, 0, CELLS[0], "rollout")
+_, STATE = gdec.init_sharded(SPEC.model, 0, CELLS[0], "rollout")
 # O(1) logits (tied embedding x 30): greedy ties cannot flip on rounding differences
 STATE = jax.tree_util.tree_map_with_path(
     lambda p, x: x * 30.0 if "embed" in jax.tree_util.keystr(p) else x, STATE
@@ -36,7 +38,7 @@ def make_request(i, prompt_len, new, temperature=1.0, stop=()):
 
 
 def new_proxy(cells):
-    return Proxy([Engine(CFG, c, STATE) for c in cells])
+    return Proxy([Engine(SPEC, c, STATE) for c in cells])
 
 
 async def drive(proxy, requests, actions=None, max_pumps=500):
@@ -174,7 +176,7 @@ class HandOver(RuleBasedStateMachine):
             self.proxy.pump()
         self.spin()
 
-    @rule(cell=st.integers(0, 3), mode=st.sampled_from(MODES))
+    @rule(cell=st.integers(0, 3), mode=st.sampled_from(HANDOVERS))
     def release(self, cell, mode):
         if cell in self.proxy.rollout:
             self.proxy.release(cell, mode)
