@@ -240,8 +240,10 @@ def test_scripted_harness_driver_reports_endings_and_tree_stats(capsys):
     import json
     import pathlib
 
-    from gyre.agent import run_scripted_harness
+    from gyre.agent.driver import run_scripted_harness
     from gyre.config import validate
+    from gyre.envs.registry import make_env
+    from gyre.rl.builder import build_specs
 
     path = pathlib.Path(__file__).parents[1] / "experiments" / "harness_ledger.py"
     spec = importlib.util.spec_from_file_location("harness_ledger", path)
@@ -249,7 +251,9 @@ def test_scripted_harness_driver_reports_endings_and_tree_stats(capsys):
     spec.loader.exec_module(mod)
     cfg = mod.get_config("16")
     validate(cfg)
-    summary = run_scripted_harness(cfg)
+    specs = build_specs(cfg)
+    summary = run_scripted_harness(make_env(specs.env), specs.agent, specs.seed,
+                                   specs.run.tasks_per_step, specs.run.samples_per_task)  # fmt: skip
     assert sum(summary["end_reasons"].values()) == summary["executions"] == 32
     assert {"success", "failure", "timeout", "infra_error"} <= set(summary["end_reasons"])
     assert summary["flat_tokens"] >= summary["unique_tokens"] > 0

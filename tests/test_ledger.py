@@ -5,14 +5,15 @@ import asyncio
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import demo_sequences
 
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
 from gyre.agent.scripted import LedgerExpert, StallPolicy
 from gyre.envs import vocab as V
 from gyre.envs.base import Task, ToolCall
-from gyre.envs.demos import demo_executions, demo_sequences
 from gyre.envs.ledger import LedgerEnv
+from gyre.rl.demos import demo_executions
 
 
 def run(coro):

@@ -64,7 +64,7 @@ def causal_inputs(b: int, t: int, seed: int = 0):
 
 def reference_hidden(model: Decoder, tokens_T):
     """Plain, loop-based Qwen3 forward of one causal sequence (numpy float64)."""
-    c = model.cfg
+    c = model.spec
     state = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model)))
 
     def norm(x, w):

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from strategies import branchy_execution
 
-from gyre.config import default_config
-from gyre.trajectory.batch import ExecutionResult, build_batch
+from gyre.trajectory.batch import ExecutionResult, TrajectorySpec, build_batch
 from gyre.trajectory.records import RecordError, make_record, validate_execution
 
 VOCAB = 64
@@ -84,13 +83,8 @@ def test_good_records_pass():
         validate_execution([], VOCAB)
 
 
-def config(**traj):
-    cfg = default_config()
-    cfg.model.vocab_size = VOCAB
-    cfg.train.rows_per_microbatch = 2
-    for k, v in traj.items():
-        cfg.trajectory[k] = v
-    return cfg
+def spec(**traj):
+    return TrajectorySpec(VOCAB, rows_per_microbatch=2, **traj)
 
 
 @pytest.mark.parametrize("packing", ["tree", "flat"])
@@ -103,7 +97,7 @@ def test_bad_executions_are_rejected_and_the_rest_kept(packing):
     results[3] = ExecutionResult(
         [dataclasses.replace(r, end_reason="infra_error") for r in results[3].records], "t"
     )
-    batch, rep = build_batch(results, config(packing=packing, max_paths=2))
+    batch, rep = build_batch(results, spec(packing=packing, max_paths=2))
     assert rep.used == (0, 2, 4) and rep.excluded == (3,)
     assert [i for i, _ in rep.rejected] == [1] and "'prompt' holds token id 99" in rep.rejected[0][
         1
@@ -128,8 +122,7 @@ def test_path_longer_than_a_row_rejects_only_its_execution():
         )
     ]
     results = [ExecutionResult(long_exec, "t"), ExecutionResult(good("ok"), "t")]
-    cfg = config(row_len=128)
-    batch, rep = build_batch(results, cfg)
+    batch, rep = build_batch(results, spec(row_len=128))
     assert rep.used == (1,) and "a path of 140 tokens exceeds row_len 128" in rep.rejected[0][1]
     assert batch.tokens.shape[1] == 128
     assert np.allclose(batch.w[batch.w > 0], 1 / 3) and batch.tokens[batch.w > 0].tolist() == [

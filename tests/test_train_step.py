@@ -1,5 +1,6 @@
 """Trainer: no retrace across steps, updates on the core, failure handling, SFT, layouts."""
 
+import dataclasses
 import logging
 
 import jax
@@ -10,8 +11,8 @@ from strategies import branchy_execution
 from gyre.config import default_config
 from gyre.mesh import make_cells
 from gyre.model import decoder
-from gyre.train import step as tstep
-from gyre.train.step import Trainer, TrainingDiverged, split_microbatches
+from gyre.rl.builder import build_specs
+from gyre.train.step import Trainer, TrainingDiverged, split_microbatches, update_program
 from gyre.trajectory.batch import ExecutionResult, build_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -27,24 +28,24 @@ def small_config():
     return cfg
 
 
-def step_batch(cfg, seed):
+def step_batch(specs, seed):
     """One optimizer step's packed batch (4 rows) from branchy executions of two tasks."""
     results = [
         ExecutionResult(branchy_execution(seed * 10 + i, n_calls=6, vocab=16,
                                           execution_id=f"s{seed}e{i}"), f"t{i % 2}", i / 4)
         for i in range(4)
     ]  # fmt: skip
-    batch, report = build_batch(results, cfg, buckets=(4,))
+    batch, report = build_batch(results, specs.trajectory, buckets=(4,))
     assert batch.tokens.shape == (4, 128)
     return batch, [f"s{seed}e{i}" for i in report.used]
 
 
 @pytest.fixture(scope="module")
 def world():
-    cfg = small_config()
+    specs = build_specs(small_config())
     cells = make_cells(2)  # 4 cells of 2 devices
-    graphdef, params = decoder.init_sharded(cfg.model, 0, cells[0], "train")
-    return cfg, cells, graphdef, params
+    graphdef, params = decoder.init_sharded(specs.model, 0, cells[0], "train")
+    return specs, cells, graphdef, params
 
 
 def _leaves(tree):
@@ -52,22 +53,23 @@ def _leaves(tree):
 
 
 def test_steps_update_core_weights_without_retrace(world):
-    cfg, cells, graphdef, params = world
-    trainer = Trainer(cfg, cells[:2], graphdef, params)
+    specs, cells, graphdef, params = world
+    trainer = Trainer(specs.trainer, cells[:2], graphdef, params)
     before = _leaves(trainer.params)
-    counts = dict(tstep.TRACE_COUNTS)
+    programs = [trainer.program(c) for c in cells[:2]] + [update_program(specs.trainer.optimizer)]
+    counts = [p._cache_size() for p in programs]
     losses = []
     for s in range(3):
-        batch, names = step_batch(cfg, s)
+        batch, names = step_batch(specs, s)
         out = trainer.train_step(cells[:2], batch, names)
         assert out.applied and out.version == s + 1 and trainer.version == s + 1
         assert set(out.exec_ids) <= set(names) and out.exec_ids
         losses.append(out.metrics["loss"])
     assert all(np.isfinite(losses))
-    new = {k: v - counts.get(k, 0) for k, v in tstep.TRACE_COUNTS.items()}
-    # one gradient trace per cell, one update trace: the same programs serve every step
-    assert new.get(("grad", cells[0].mesh), 0) <= 1 and new.get(("grad", cells[1].mesh), 0) <= 1
-    assert sum(v for k, v in new.items() if k[0] == "update") <= 1
+    new = [p._cache_size() - n for p, n in zip(programs, counts)]
+    # one gradient compile per cell, one update compile: the same programs serve every step
+    assert new[0] <= 1 and new[1] <= 1
+    assert new[2] <= 1
     assert any(np.abs(a - b).max() > 0 for a, b in zip(_leaves(trainer.params), before))
     for x in jax.tree.leaves(trainer.params):
         assert x.sharding.mesh == cells[0].mesh  # weights and optimizer live on the core
@@ -79,14 +81,13 @@ def test_steps_update_core_weights_without_retrace(world):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(world, caplog):
-    _, cells, graphdef, params = world
-    cfg = small_config()
-    cfg.train.max_bad_steps = 2
-    trainer = Trainer(cfg, cells[:1], graphdef, params)
-    good, names = step_batch(cfg, 0)
+    specs, cells, graphdef, params = world
+    spec = dataclasses.replace(specs.trainer, max_bad_steps=2)
+    trainer = Trainer(spec, cells[:1], graphdef, params)
+    good, names = step_batch(specs, 0)
     assert trainer.train_step(cells[:1], good, names).applied
     weights = _leaves(trainer.params)
-    bad, bad_names = step_batch(cfg, 1)
+    bad, bad_names = step_batch(specs, 1)
     j = np.argwhere(bad.w > 0)[0]
     bad.old_logp[tuple(j)] = -np.inf  # ratio -> inf: a non-finite loss
     with caplog.at_level(logging.WARNING, logger="gyre.train.step"):
@@ -104,9 +105,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(world, caplog):
 
 
 def test_poisoned_gradient_is_skipped(world):
-    cfg, cells, graphdef, params = world
-    trainer = Trainer(cfg, cells[:1], graphdef, params)
-    batch, names = step_batch(cfg, 2)
+    specs, cells, graphdef, params = world
+    trainer = Trainer(specs.trainer, cells[:1], graphdef, params)
+    batch, names = step_batch(specs, 2)
     (mb, *rest) = split_microbatches(batch, 2, names)
     res = trainer.compute_grads(cells[0], mb)
     res.grads = jax.tree.map(lambda g: g * np.nan, res.grads)
@@ -115,8 +116,9 @@ def test_poisoned_gradient_is_skipped(world):
 
 
 def test_sft_gradient_matches_cross_entropy_on_a_causal_row(world):
-    cfg, cells, graphdef, params = world
-    trainer = Trainer(cfg, cells[:1], graphdef, params, objective="sft")
+    specs, cells, graphdef, params = world
+    sft = dataclasses.replace(specs.trainer, objective="sft")
+    trainer = Trainer(sft, cells[:1], graphdef, params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 16, (2, 128)).astype(np.int32)
     w = (rng.random((2, 128)) < 0.5).astype(np.float32)
@@ -150,34 +152,39 @@ def test_sft_gradient_matches_cross_entropy_on_a_causal_row(world):
 
 
 def test_microbatch_rows_must_divide_the_data_axis(world):
-    cfg, cells, graphdef, params = world
-    trainer = Trainer(cfg, cells[:1], graphdef, params)
-    batch, _ = step_batch(cfg, 0)
+    specs, cells, graphdef, params = world
+    trainer = Trainer(specs.trainer, cells[:1], graphdef, params)
+    batch, _ = step_batch(specs, 0)
     (mb, *_) = split_microbatches(batch, 3)
     with pytest.raises(ValueError, match="rows_per_microbatch"):
         trainer.compute_grads(cells[0], mb)
 
 
 def test_kl_to_an_identical_reference_is_zero(world):
-    _, cells, graphdef, params = world
-    cfg = small_config()
-    cfg.train.kl_coef = 0.1
-    trainer = Trainer(cfg, cells[:1], graphdef, params, ref_params=params)
-    batch, _ = step_batch(cfg, 0)
+    specs, cells, graphdef, params = world
+    loss = dataclasses.replace(specs.trainer.loss, kl_coef=0.1)
+    spec = dataclasses.replace(specs.trainer, loss=loss)
+    trainer = Trainer(spec, cells[:1], graphdef, params, ref_params=params)
+    batch, _ = step_batch(specs, 0)
     res = trainer.compute_grads(cells[0], split_microbatches(batch, 2)[0])
     assert abs(float(res.metrics["kl_ref"])) < 1e-6
     with pytest.raises(ValueError, match="ref_params"):
-        Trainer(cfg, cells[:1], graphdef, params)
+        Trainer(spec, cells[:1], graphdef, params)
 
 
 def test_sft_on_packed_records_lowers_the_loss(world):
-    from gyre.train.sft import records_batch, sft_trainer
-
-    cfg, cells, graphdef, params = world
-    demos = [branchy_execution(s, n_calls=4, vocab=16, execution_id=f"d{s}") for s in range(3)]
-    batch = records_batch(demos, cfg, buckets=(4,))
+    specs, cells, graphdef, params = world
+    demos = [
+        ExecutionResult(branchy_execution(s, n_calls=4, vocab=16, execution_id=f"d{s}"), f"d{s}")
+        for s in range(3)
+    ]
+    # every path of a demonstration is a target, each token weighing the same
+    traj = dataclasses.replace(specs.trajectory, max_paths=0, loss_mode="token-mean")
+    batch, report = build_batch(demos, traj, "sft", buckets=(4,))
+    assert report.used == (0, 1, 2)  # every demonstration is packed
     assert batch.tokens.shape == (4, 128)
     np.testing.assert_allclose(batch.w.sum(), 1.0, rtol=1e-5)  # token-mean coefficients
-    trainer = sft_trainer(cfg, cells[:1], graphdef, params)
+    sft = dataclasses.replace(specs.trainer, objective="sft")
+    trainer = Trainer(sft, cells[:1], graphdef, params)
     losses = [trainer.train_step(cells[:1], batch).metrics["loss"] for _ in range(4)]
     assert losses[-1] < losses[0]

@@ -7,7 +7,7 @@ SwiGLU MLP, final norm, tied or untied lm_head.
 Layer parameters are stacked along a leading 'layers' axis and run with ``jax.lax.scan``, so
 compile time does not grow with depth. Every parameter carries a ``logical_axes`` metadata
 tuple (names from ``gyre.mesh.RULES``); :func:`param_logical_axes` collects them.
-Parameters are float32; activations use ``cfg.dtype``.
+Parameters are float32; activations use ``spec.dtype``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def _dense_init(key, shape, fan_in):
 class Layers(nnx.Module):
     """All decoder blocks, each parameter stacked as [L, ...]."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, spec, rngs: nnx.Rngs):
         n, d, h, kvh, dh, f = (
-            cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
+            spec.num_layers, spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.d_ff
         )  # fmt: skip
         shapes = {
             "attn_norm": (d,),
@@ -91,21 +91,21 @@ def rope(x_BxTxHxDh, pos_BxT, theta):
     return x_BxTxHxDh * cos + rotated * sin
 
 
-def _qkv(p, x, pos, cfg, dtype):
+def _qkv(p, x, pos, spec, dtype):
     """Pre-norm input -> q[B,T,H,Dh], k/v[B,T,KVH,Dh] with q/k norm and RoPE applied."""
-    h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    h = rms_norm(x, p["attn_norm"], spec.rms_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dtype))
     k = jnp.einsum("btd,dhk->bthk", h, p["k"].astype(dtype))
     v = jnp.einsum("btd,dhk->bthk", h, p["v"].astype(dtype))
-    q = rope(rms_norm(q, p["q_norm"], cfg.rms_eps), pos, cfg.rope_theta)
-    k = rope(rms_norm(k, p["k_norm"], cfg.rms_eps), pos, cfg.rope_theta)
+    q = rope(rms_norm(q, p["q_norm"], spec.rms_eps), pos, spec.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], spec.rms_eps), pos, spec.rope_theta)
     return q, k, v
 
 
-def _finish_block(p, x, attn_BxTxHxDh, cfg, dtype):
+def _finish_block(p, x, attn_BxTxHxDh, spec, dtype):
     """Output projection, residual, SwiGLU MLP, residual."""
     x = x + jnp.einsum("bthk,hkd->btd", attn_BxTxHxDh, p["o"].astype(dtype))
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+    h = rms_norm(x, p["mlp_norm"], spec.rms_eps)
     gate = jax.nn.silu(h @ p["gate"].astype(dtype))
     return x + (gate * (h @ p["up"].astype(dtype))) @ p["down"].astype(dtype)
 
@@ -136,20 +136,20 @@ class ModelSpec:
 
 
 class Decoder(nnx.Module):
-    """Qwen3 decoder of the architecture ``cfg`` (a :class:`ModelSpec`)."""
+    """Qwen3 decoder of the architecture ``spec`` (a :class:`ModelSpec`)."""
 
-    def __init__(self, cfg: ModelSpec, rngs: nnx.Rngs):
-        if not isinstance(cfg, ModelSpec):
-            raise TypeError(f"Decoder takes a ModelSpec, got {type(cfg).__name__}")
-        self.cfg = cfg
-        self.dtype = jnp.dtype(cfg.dtype)
-        v, d = cfg.vocab_size, cfg.d_model
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"Decoder takes a ModelSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.dtype = jnp.dtype(spec.dtype)
+        v, d = spec.vocab_size, spec.d_model
         # HF initialises embeddings with std 0.02; any small scale works for training from scratch
         embed = jax.random.normal(rngs.params(), (v, d), jnp.float32) * 0.02
         self.embed = nnx.Param(embed, logical_axes=("vocab", "embed"))
-        self.layers = Layers(cfg, rngs)
+        self.layers = Layers(spec, rngs)
         self.final_norm = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=("embed",))
-        if not cfg.tie_embeddings:
+        if not spec.tie_embeddings:
             head = _dense_init(rngs.params(), (d, v), d)
             self.lm_head = nnx.Param(head, logical_axes=("embed", "vocab"))
 
@@ -158,22 +158,22 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BxT, pos_BxT, leave_BxT, remat: bool = False):
         """Tree forward -> final-normed hidden [B,T,D]. Query q sees key k iff k<=q<leave[k]."""
-        cfg, dtype = self.cfg, self.dtype
+        spec, dtype = self.spec, self.dtype
         x = self.embed[...].astype(dtype)[tokens_BxT]
 
         def block(x, p):
-            q, k, v = _qkv(p, x, pos_BxT, cfg, dtype)
-            out = attention.attend(q, k, v, leave_BxT, impl=cfg.attention, block=cfg.attn_block)
-            return _finish_block(p, x, out, cfg, dtype), None
+            q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
+            out = attention.attend(q, k, v, leave_BxT, impl=spec.attention, block=spec.attn_block)
+            return _finish_block(p, x, out, spec, dtype), None
 
         if remat:
             block = jax.checkpoint(block)
         x, _ = jax.lax.scan(block, x, self._layer_params())
-        return rms_norm(x, self.final_norm[...], cfg.rms_eps)
+        return rms_norm(x, self.final_norm[...], spec.rms_eps)
 
     def logits(self, hidden_BxNxD):
-        """Vocabulary logits [B,N,V] in float32 (the head runs in cfg.dtype, accumulates fp32)."""
-        if self.cfg.tie_embeddings:
+        """Vocabulary logits [B,N,V] in float32 (the head runs in spec.dtype, accumulates fp32)."""
+        if self.spec.tie_embeddings:
             w_DxV = self.embed[...].T
         else:
             w_DxV = self.lm_head[...]
@@ -186,8 +186,8 @@ class Decoder(nnx.Module):
 
     def init_cache(self, num_slots: int, max_len: int, dtype=jnp.float32):
         """Empty slot KV cache: {'k','v'}: [L, S, M, KVH, Dh] (logical axes CACHE_AXES)."""
-        cfg = self.cfg
-        shape = (cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+        spec = self.spec
+        shape = (spec.num_layers, num_slots, max_len, spec.num_kv_heads, spec.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
     def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B):
@@ -201,7 +201,7 @@ class Decoder(nnx.Module):
         Writes past max_len are dropped, so keep start + T <= max_len for real tokens.
         Slots must be distinct within one call.
         """
-        cfg, dtype = self.cfg, self.dtype
+        spec, dtype = self.spec, self.dtype
         t = tokens_BxT.shape[1]
         idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
         slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
@@ -210,19 +210,19 @@ class Decoder(nnx.Module):
         def block(carry, xs):
             x, ck, cv = carry
             p, layer = xs
-            q, k, v = _qkv(p, x, pos_BxT, cfg, dtype)
+            q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
             ck = ck.at[layer, slot_BxT, idx_BxT].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[layer, slot_BxT, idx_BxT].set(v.astype(cv.dtype), mode="drop")
             k_BxMxKxDh = ck[layer][slot_B].astype(dtype)
             v_BxMxKxDh = cv[layer][slot_B].astype(dtype)
             out = attention.cached_attention(q, k_BxMxKxDh, v_BxMxKxDh, idx_BxT, start_B + t)
-            return (_finish_block(p, x, out, cfg, dtype), ck, cv), None
+            return (_finish_block(p, x, out, spec, dtype), ck, cv), None
 
-        layers = jnp.arange(cfg.num_layers)
+        layers = jnp.arange(spec.num_layers)
         (x, ck, cv), _ = jax.lax.scan(
             block, (x, cache["k"], cache["v"]), (self._layer_params(), layers)
         )
-        return rms_norm(x, self.final_norm[...], cfg.rms_eps), {"k": ck, "v": cv}
+        return rms_norm(x, self.final_norm[...], spec.rms_eps), {"k": ck, "v": cv}
 
 
 def param_logical_axes(model_or_state):

@@ -75,9 +75,9 @@ def config_from_hf(hf: dict, base: decoder.ModelSpec) -> decoder.ModelSpec:
     return dataclasses.replace(base, **arch)
 
 
-def config_to_hf(cfg: decoder.ModelSpec) -> dict:
+def config_to_hf(spec: decoder.ModelSpec) -> dict:
     """HF Qwen3 config.json dict for a gyre model config."""
-    out = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_KEYS.items()}
+    out = {theirs: getattr(spec, ours) for ours, theirs in CONFIG_KEYS.items()}
     out.update(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
@@ -86,7 +86,7 @@ def config_to_hf(cfg: decoder.ModelSpec) -> dict:
         attention_dropout=0.0,
         use_sliding_window=False,
         max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta)},
         dtype="float32",
     )
     return out
@@ -129,9 +129,9 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def hf_to_pure(tensors: dict[str, np.ndarray], cfg) -> dict:
+def hf_to_pure(tensors: dict[str, np.ndarray], spec) -> dict:
     """HF tensor dict -> nested float32 numpy dict shaped like nnx.to_pure_dict(state)."""
-    d, h, kvh, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    d, h, kvh, dh = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
 
     def get(name):
         if name not in tensors:
@@ -150,21 +150,21 @@ def hf_to_pure(tensors: dict[str, np.ndarray], cfg) -> dict:
     layers = {}
     for ours, theirs in LAYER_NAMES.items():
         fix = layout.get(ours, lambda w: w)
-        per_layer = [fix(get(f"model.layers.{i}.{theirs}")) for i in range(cfg.num_layers)]
+        per_layer = [fix(get(f"model.layers.{i}.{theirs}")) for i in range(spec.num_layers)]
         layers[ours] = np.stack(per_layer)
     pure = {
         "embed": get("model.embed_tokens.weight"),
         "layers": layers,
         "final_norm": get("model.norm.weight"),
     }
-    if not cfg.tie_embeddings:
+    if not spec.tie_embeddings:
         pure["lm_head"] = get("lm_head.weight").T
     return pure
 
 
-def pure_to_hf(pure: dict, cfg) -> dict[str, np.ndarray]:
+def pure_to_hf(pure: dict, spec) -> dict[str, np.ndarray]:
     """Inverse of hf_to_pure: nested numpy dict -> HF tensor names, [out, in] layout."""
-    d = cfg.d_model
+    d = spec.d_model
     layout = {
         "q": lambda w: w.reshape(d, -1).T,
         "k": lambda w: w.reshape(d, -1).T,
@@ -177,9 +177,9 @@ def pure_to_hf(pure: dict, cfg) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": pure["embed"], "model.norm.weight": pure["final_norm"]}
     for ours, theirs in LAYER_NAMES.items():
         fix = layout.get(ours, lambda w: w)
-        for i in range(cfg.num_layers):
+        for i in range(spec.num_layers):
             out[f"model.layers.{i}.{theirs}"] = fix(pure["layers"][ours][i])
-    if not cfg.tie_embeddings:
+    if not spec.tie_embeddings:
         out["lm_head.weight"] = pure["lm_head"].T
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
@@ -191,9 +191,9 @@ def load_hf(folder: str, base: decoder.ModelSpec, cell=None, role: str = "train"
     attention, attn_block) are kept.
     """
     with open(os.path.join(folder, "config.json")) as f:
-        cfg = config_from_hf(json.load(f), base)
-    graphdef, abstract = decoder.abstract_model(cfg)
-    pure = hf_to_pure(read_tensors(folder), cfg)
+        spec = config_from_hf(json.load(f), base)
+    graphdef, abstract = decoder.abstract_model(spec)
+    pure = hf_to_pure(read_tensors(folder), spec)
     want = jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(abstract))
     got = jax.tree.map(lambda x: x.shape, pure)
     if want != got:
@@ -201,17 +201,17 @@ def load_hf(folder: str, base: decoder.ModelSpec, cell=None, role: str = "train"
     state = abstract  # replaced leaf by leaf below
     nnx.replace_by_pure_dict(state, pure)
     if cell is not None:
-        state = jax.device_put(state, decoder.state_shardings(cfg, cell, role))
+        state = jax.device_put(state, decoder.state_shardings(spec, cell, role))
     else:
         state = jax.device_put(state)
-    return graphdef, state, cfg
+    return graphdef, state, spec
 
 
-def save_hf(folder: str, graphdef, state, cfg: decoder.ModelSpec) -> None:
+def save_hf(folder: str, graphdef, state, spec: decoder.ModelSpec) -> None:
     """Writes config.json + model.safetensors (float32) that transformers can load."""
     del graphdef  # the layout is fixed by the spec
     os.makedirs(folder, exist_ok=True)
     pure = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), nnx.to_pure_dict(state))
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg), f, indent=2)
-    save_file(pure_to_hf(pure, cfg), os.path.join(folder, "model.safetensors"), {"format": "pt"})
+        json.dump(config_to_hf(spec), f, indent=2)
+    save_file(pure_to_hf(pure, spec), os.path.join(folder, "model.safetensors"), {"format": "pt"})

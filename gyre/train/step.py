@@ -229,8 +229,9 @@ class Trainer:
             raise ValueError("train.kl_coef > 0 needs ref_params (the reference policy)")
         self._ref_host = ref_params if self.use_ref else None
         self._ref = {}
-        opt_sh = topt.state_shardings(self.tx, self.params, self.param_shardings(self.core),
-                                      self.core.mesh)  # fmt: skip
+        self._opt_sh = opt_sh = topt.state_shardings(
+            self.tx, self.params, self.param_shardings(self.core), self.core.mesh
+        )
         if opt_state is None:
             opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(self.params)
         self.opt_state = gmesh.move(opt_state, opt_sh)
@@ -312,7 +313,11 @@ class Trainer:
         update = update_program(self.spec.optimizer)
         params, opt_state, ok, grad_norm = update(self.params, self.opt_state, grads,
                                                   jnp.asarray(loss_ok))  # fmt: skip
-        self.params, self.opt_state = params, opt_state
+        # Back to the declared layouts: XLA may return an equivalent but unequal sharding (a
+        # size-1 axis dropped), which would add a second dispatch-cache entry to the gradient
+        # and update programs. The move copies nothing.
+        self.params = gmesh.move(params, self.param_shardings(self.core))
+        self.opt_state = gmesh.move(opt_state, self._opt_sh)
         metrics["grad_norm"] = float(grad_norm)
         self.step += 1
         if bool(ok):
