@@ -7,9 +7,11 @@
 The experiment's ``run.entry`` names the library function (see gyre/run.py).
 """
 
+import logging
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -18,6 +20,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", "workdirs/quickstart", "Where the config, checkpoints, metrics and plots go."
 )
+_ALLOW_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False,
+    "Resume a workdir's run with a changed config (recorded in config_changes.jsonl).",
+)
 
 
 def parse_flags(argv):
@@ -25,6 +31,9 @@ def parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if "Traceback (most recent call last):" in lines:  # an error inside the config file
+            sys.exit(f"config error: {lines[0].split(': Error whilst')[0]}: {lines[-1]}")
         sys.exit(f"flag error: {e}")
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # an unknown dotted key
         while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps KeyError
@@ -34,12 +43,20 @@ def parse_flags(argv):
         )
 
 
+def quiet_logs() -> None:
+    """Library INFO logs (JAX backends, orbax options) off unless --verbosity is given."""
+    if not flags.FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        logging.getLogger().setLevel(logging.WARNING)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    quiet_logs()
     from gyre import run  # after absl parsed flags, so XLA_FLAGS set by run apply first
 
-    run.main(_CONFIG.value, _WORKDIR.value)
+    run.main(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def setup(cfg, workdir: str) -> None:
 
     validate(cfg)
     run.setup_devices(cfg)
-    mesh.enable_compilation_cache(workdir, cfg.mesh.cache_dir)
+    from gyre.cache import cache_dir
+
+    mesh.enable_compilation_cache(cache_dir("xla", cfg.mesh.cache_dir))
 
 
 def time_engine(engine, batches, prompts, new_tokens: int, repeats: int, seed: int = 0):

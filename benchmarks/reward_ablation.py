@@ -40,7 +40,7 @@ def load_run(workdir: str) -> dict:
         cfg = json.load(f)
     start = summary.get("eval_start") or {}
     evals = [(0, start["eval_success"], start["eval_milestones"])] if start else []
-    evals += [(r["step"] + 1, r["eval_success"], r["eval_milestones"])
+    evals += [(r["step"], r["eval_success"], r["eval_milestones"])
               for r in rows if "eval_success" in r]  # fmt: skip
     success = np.array([r["success"] for r in rows])
     return {

@@ -98,6 +98,16 @@ def apply_variant(c, variant: str) -> None:
         c.scheduler.policy, c.mesh.cpu_devices, c.mesh.cell_size = "colocate", 1, 1
         c.eval.tasks = 1024
         c.sft.seed = 0  # --config.seed=N changes the RL seed only, over one warm start
+    elif variant == "warm4":
+        # The quick start's shipped warm start: supervised steps on K = 4 demonstrations until
+        # the held-out per-step accuracy reaches sft.target_accuracy, exported to <workdir>/hf.
+        c.run.entry = "sft"
+        c.env.num_ops = 4
+        c.model.hf_dir = ""
+        c.sft.steps, c.sft.eval_every, c.sft.target_accuracy = 4000, 100, 0.75
+        c.sft.seed = 0
+        c.eval.tasks = 64
+        c.mesh.cpu_devices, c.mesh.cell_size = 1, 1
     elif variant == "tiny":
         c.model.d_model, c.model.num_layers, c.model.d_ff = 32, 1, 64
         c.model.num_heads, c.model.num_kv_heads, c.model.head_dim = 2, 2, 16

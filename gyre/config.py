@@ -34,7 +34,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.cpu_devices = 8  # fake this many devices when the platform is CPU
     c.mesh.model_parallel = 1  # size of the intra-cell 'model' axis; 'data' gets the rest
     c.mesh.compilation_cache = True  # persistent XLA cache
-    c.mesh.cache_dir = ""  # where that cache lives ("" = <workdir>/xla_cache)
+    c.mesh.cache_dir = ""  # where that cache lives ("" = the shared cache, gyre/cache.py)
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 64
@@ -50,6 +50,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # activation dtype; parameters stay float32
     c.model.attention = "block_sparse"  # or "dense" (the reference)
     c.model.attn_block = 128  # key/query block of the block-sparse attention
+    # A Hugging Face Qwen3 checkpoint directory (config.json + safetensors) to start from; its
+    # architecture must equal the keys above. "" = random init from ``seed``.
+    c.model.hf_dir = ""
 
     c.trajectory = ml_collections.ConfigDict()
     c.trajectory.max_paths = 5  # J; 0 = uncapped (ablation)
@@ -128,7 +131,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft.lr = 1e-3
     c.sft.eval_every = 50
     c.sft.mistake_prob = 0.1  # share of demonstration steps with a corrected near miss
-    c.sft.dir = ""  # cache of warm starts ("" = <workdir>/warmstart)
+    c.sft.dir = ""  # cache of warm starts ("" = the shared cache, gyre/cache.py)
     # Seed of the warm start (initial weights, demonstrations); -1 = ``seed``. Set it to vary
     # the RL seed over one cached warm start.
     c.sft.seed = -1

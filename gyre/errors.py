@@ -7,3 +7,7 @@ makes its spec unusable without importing the config module.
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the offending key."""
+
+
+class AlreadyFinished(Exception):
+    """A relaunched run whose workdir holds every step already: nothing is run or rewritten."""

@@ -166,10 +166,9 @@ def move(tree, target_shardings):
     return jax.device_put(tree, target_shardings)
 
 
-def enable_compilation_cache(workdir: str, path: str = "") -> str:
-    """Persistent XLA cache (default <workdir>/xla_cache): a relaunch or a role switch never
-    waits on XLA for a program compiled before."""
-    path = path or os.path.join(workdir, "xla_cache")
+def enable_compilation_cache(path: str) -> str:
+    """Persistent XLA cache in ``path``: a relaunch or a role switch never waits on XLA for a
+    program compiled before (by any run sharing the folder)."""
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -43,6 +43,15 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, step)
         return row
 
+    def scalars(self, prefix: str, step: int, values: dict) -> None:
+        """TensorBoard only: numbers of ``values`` as '<prefix>/<key>' at ``step`` (e.g. the
+        warm start's history, the evaluation before RL at step 0)."""
+        if self._tb is None:
+            return
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                self._tb.add_scalar(f"{prefix}/{k}" if prefix else k, v, step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
@@ -64,3 +73,71 @@ def progress_line(step: int, total: int, metrics: dict, keys=("reward", "success
         if k in metrics and isinstance(metrics[k], (int, float)):
             parts.append(f"{k} {metrics[k]:.4g}")
     return " | ".join(parts)
+
+
+def standard_error(values) -> float:
+    """Standard error of the mean of ``values`` (0 for fewer than two)."""
+    values = np.asarray(values, np.float64)
+    if values.size < 2:
+        return 0.0
+    return float(values.std(ddof=1) / np.sqrt(values.size))
+
+
+def clock(seconds: float) -> str:
+    """m:ss (or h:mm:ss) of a duration."""
+    s = int(round(max(seconds, 0.0)))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+def eta(elapsed: float, done: float, total: float) -> str:
+    """'ETA m:ss' from the rate so far ('ETA ?' before the first unit is done)."""
+    if done <= 0 or total <= done:
+        return "ETA ?" if done <= 0 else "ETA 0:00"
+    return f"ETA {clock(elapsed / done * (total - done))}"
+
+
+class Heartbeat:
+    """Prints what the run is doing at least every ``every`` seconds, from a daemon thread, so
+    progress shows while a compile or a long step blocks the main thread.
+
+    ``status`` is a callable returning the current line (read from the thread: it must only
+    read counters); :meth:`say` prints a line now and restarts the interval.
+    """
+
+    def __init__(self, every: float = 10.0, status=None, stream=None):
+        import sys
+        import threading
+
+        self.every, self.status = every, status or (lambda: "")
+        self.stream = stream or sys.stdout
+        self.t0 = self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def say(self, line: str) -> None:
+        with self._lock:
+            print(f"[{clock(self.elapsed())}] {line}", file=self.stream, flush=True)
+            self._last = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self._last >= self.every:
+                try:
+                    line = self.status()
+                except Exception as e:  # a status read mid-update: report, never crash
+                    line = f"(status unavailable: {e!r})"
+                if line:
+                    self.say(line)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)

@@ -9,15 +9,20 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import warnings
 
 from gyre.config import ConfigError, validate
+from gyre.errors import AlreadyFinished
 
 ENTRIES = {
     "smoke": "gyre.rl.experiment:smoke_test",
     "harness": "gyre.rl.experiment:harness",
     "rl": "gyre.rl.experiment:rl",
+    "sft": "gyre.rl.experiment:sft",
 }
 
 
@@ -44,8 +49,55 @@ def write_config(cfg, workdir: str) -> str:
     return path
 
 
-def main(cfg, workdir: str, **hooks) -> dict:
-    """Runs one experiment. A bad config exits with a one-line message naming the key.
+# Keys a relaunch may change without --allow_config_change: where caches live, and how many
+# steps the run has (raising it continues a finished run).
+FREE_KEYS = ("mesh.cache_dir", "sft.dir", "run.steps")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def last_checkpoint(workdir: str) -> int | None:
+    """The step of the newest checkpoint in the workdir (None: no run there yet)."""
+    ckpt = os.path.join(workdir, "checkpoints")
+    steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
+    return max(steps, default=None)
+
+
+def config_changes(cfg, workdir: str) -> list[str]:
+    """'key: old -> new' for each key that differs from the config of the run in ``workdir``
+    (none when the workdir holds no run yet), leaving out FREE_KEYS."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path) or last_checkpoint(workdir) is None:
+        return []
+    with open(path) as f:
+        old = _flat(json.load(f))
+    new = _flat(json.loads(cfg.to_json_best_effort()))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and k not in FREE_KEYS]  # fmt: skip
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (how schedulers preempt) stops the run like Ctrl-C does."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
+def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
+    """Runs one experiment. A bad config exits with a one-line message naming the key; a
+    relaunch with a config other than the workdir's run is refused unless
+    ``allow_config_change``; Ctrl-C or SIGTERM stop with one line saying how to resume.
 
     hooks: keyword arguments passed to the entry (tests use them, e.g. after_microbatch).
     """
@@ -55,17 +107,34 @@ def main(cfg, workdir: str, **hooks) -> dict:
         entry = resolve_entry(cfg.run.entry)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    changes = config_changes(cfg, workdir)
+    if changes and not allow_config_change:
+        sys.exit(f"config error: {workdir} holds a run with another config ({'; '.join(changes)});"
+                 " use a new --workdir, or relaunch with --allow_config_change to go on with "
+                 "the new values")  # fmt: skip
     from gyre import mesh
+    from gyre.cache import cache_dir
 
     # CPU cannot reuse donated batch buffers for the gradient outputs; harmless there.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    if changes:
+        with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+            f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
     write_config(cfg, workdir)
     if cfg.mesh.compilation_cache:
-        mesh.enable_compilation_cache(workdir, cfg.mesh.cache_dir)
+        mesh.enable_compilation_cache(cache_dir("xla", cfg.mesh.cache_dir))
+    _stop_on_sigterm()
     try:
         summary = entry(cfg, workdir, **hooks)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except AlreadyFinished as e:
+        print(str(e), flush=True)
+        return {}
+    except KeyboardInterrupt:
+        step = last_checkpoint(workdir)
+        where = f"its checkpoint after step {step}" if step else "the start (no step finished)"
+        sys.exit(f"interrupted: relaunch the same command to resume {workdir} from {where}")
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True, default=str)
     return summary

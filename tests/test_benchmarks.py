@@ -35,10 +35,10 @@ def fake_run(path, seed: int, success: list[float], evals: dict[int, tuple[float
     """A finished run's workdir: metrics rows, summary (eval before RL) and config."""
     os.makedirs(path)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        for step, s in enumerate(success):
+        for step, s in enumerate(success, 1):  # row s: after step s
             row = {"step": step, "success": s, "step_seconds": 2.0}
-            if step + 1 in evals:
-                row["eval_success"], row["eval_milestones"] = evals[step + 1]
+            if step in evals:
+                row["eval_success"], row["eval_milestones"] = evals[step]
             f.write(json.dumps(row) + "\n")
     start = {"eval_success": evals[0][0], "eval_milestones": evals[0][1]}
     with open(os.path.join(path, "summary.json"), "w") as f:

@@ -44,11 +44,11 @@ def test_two_step_pulse_of_the_entry_point(shared, tmp_path, scheduler):
     summary = run.main(cfg, str(tmp_path))
     assert summary["final_version"] == 2 and summary["steps"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]  # row s: after step s (0: before RL)
     assert all(r["executions"] == 4 for r in rows)
     trace = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
     for r in rows:  # throughput counts exactly the completion tokens the trace recorded
-        made = sum(c["completion_tokens"] for ex in trace if ex["step"] == r["step"]
+        made = sum(c["completion_tokens"] for ex in trace if ex["step"] + 1 == r["step"]
                    for c in ex["calls"])  # fmt: skip
         assert r["generated_tokens"] == made > 0
         assert 0.0 <= r["signal_groups"] <= 1.0
@@ -99,15 +99,16 @@ def test_random_role_switches_lose_nothing_and_change_no_token(shared, tmp_path,
     assert a == b
 
 
-def _launch(workdir, shared, steps, kill_after=0):
-    script = ["tests/killable_launch.py", f"--kill_after_microbatches={kill_after}"]
+def _launch(workdir, shared, steps, kill_after=0, signal="KILL", extra=()):
+    script = ["tests/killable_launch.py", f"--kill_after_microbatches={kill_after}",
+              f"--kill_signal={signal}"]  # fmt: skip
     args = [sys.executable, *(script if kill_after else ["launch.py"]),
             "--config=experiments/quickstart.py:tiny",
             f"--workdir={workdir}", f"--config.run.steps={steps}", "--config.mesh.cell_size=4",
             f"--config.mesh.cache_dir={shared['cache']}",
             f"--config.sft.dir={shared['warm']}", "--config.sft.steps=120",
             "--config.sft.lr=3e-3", "--config.sft.eval_every=120",
-            "--config.eval.tasks=4", "--config.run.tasks_per_step=4"]  # fmt: skip
+            "--config.eval.tasks=4", "--config.run.tasks_per_step=4", *extra]  # fmt: skip
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -136,6 +137,37 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
     assert _losses(killed) == _losses(whole)
     # At ratio 1 a mean-centred loss is 0; the gradient is not (else this test is vacuous).
     assert any(g for _, _, g, _ in _losses(whole)), "zero gradients: nothing was learned"
+    # The outputs cover the whole run, not only the part after the resume.
+    a, b = (json.load(open(w / "summary.json")) for w in (whole, killed))
+    for key in ("warm_start", "eval_start"):
+        assert a[key].keys() == b[key].keys(), key
+    assert b["eval_start"] == a["eval_start"] and b["steps"] == 3
+    spans = json.load(open(killed / "timeline.json"))
+    assert {s["role"] for s in spans} >= {"warmstart", "eval", "rollout"}
+    assert min(s["start"] for s in spans) == 0.0 and b["wall_seconds"] >= max(
+        s["end"] for s in spans) - 1.0  # fmt: skip
+
+    # A finished run relaunched says so and leaves its outputs as they are.
+    before = {n: (whole / n).read_bytes() for n in ("summary.json", "roles.png", "metrics.jsonl")}
+    again = _launch(whole, shared, steps=3)
+    assert again.returncode == 0 and "already holds all 3 steps" in again.stdout, again.stderr
+    assert before == {n: (whole / n).read_bytes() for n in before}
+    # A changed config is refused with one line naming the key; nothing is run.
+    changed = _launch(whole, shared, steps=3, extra=["--config.train.lr=0.003"])
+    assert changed.returncode != 0 and "train.lr" in changed.stderr.strip().splitlines()[-1]
+    assert before == {n: (whole / n).read_bytes() for n in before}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_ctrl_c_and_sigterm_stop_with_one_line_and_resume(shared, tmp_path, sig):
+    stopped = _launch(tmp_path, shared, steps=2, kill_after=5, signal=sig)
+    lines = stopped.stderr.strip().splitlines()
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
+    assert lines[-1].startswith("interrupted: relaunch the same command to resume"), lines
+    again = _launch(tmp_path, shared, steps=2)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [row["step"] for row in _ledger(tmp_path)] == [0, 1]
 
 
 def test_signal_fraction_counts_groups_whose_trained_rewards_differ():

@@ -22,7 +22,7 @@ from gyre.elastic.policy import PolicyParams
 from gyre.envs.base import Environment
 from gyre.envs.registry import EnvSpec, make_env
 from gyre.errors import ConfigError
-from gyre.model import decoder
+from gyre.model import decoder, hf
 from gyre.rl import evaluation
 from gyre.rl.specs import EvalSpec, RunSpec, SftRecipe, SftSpec, Specs
 from gyre.rollout.engine import Engine
@@ -46,7 +46,7 @@ def _pick(cls, section, **extra):
 def build_specs(cfg) -> Specs:
     """Every part's spec from a validated config; a value a part rejects is a ConfigError."""
     try:
-        model = decoder.ModelSpec(**cfg.model)
+        model = _pick(decoder.ModelSpec, cfg.model)
         trainer = TrainerSpec(
             model=model,
             optimizer=_pick(OptimizerSpec, cfg.train),
@@ -75,6 +75,7 @@ def build_specs(cfg) -> Specs:
         return Specs(
             name=cfg.name,
             seed=cfg.seed,
+            init_dir=cfg.model.hf_dir,
             mesh=_pick(mesh.MeshSpec, cfg.mesh),
             model=model,
             rollout=_pick(RolloutSpec, cfg.rollout, model=model, seed=cfg.seed),
@@ -137,6 +138,20 @@ class Runtime:
         return decoder.init_sharded(self.specs.model, seed, self.cells[0], "train")[1]
 
 
+def load_initial(specs: Specs, cell):
+    """The weights of ``specs.init_dir`` on ``cell``; its architecture must be the config's."""
+    try:
+        _, params, spec = hf.load_hf(specs.init_dir, specs.model, cell, "train")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config key 'model.hf_dir' ({specs.init_dir}): {e}") from e
+    diff = [f"{f.name}: checkpoint {getattr(spec, f.name)!r}, config {getattr(specs.model, f.name)!r}"
+            for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(specs.model, f.name)]  # fmt: skip
+    if diff:
+        raise ConfigError(f"config key 'model.hf_dir' ({specs.init_dir}): the checkpoint's "
+                          f"architecture differs from the config's ({'; '.join(diff)})")  # fmt: skip
+    return params
+
+
 def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
     """Cells, environment, weights (``params``, a checkpoint in the workdir, or a fresh init
     from the seed), trainer, one rollout engine per cell and the proxy over them."""
@@ -149,6 +164,8 @@ def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
             f"{specs.env.name} vocabulary ({env.vocab_size})"
         )
     graphdef, init = decoder.init_sharded(specs.model, specs.seed, cells[0], "train")
+    if specs.init_dir and params is None:
+        params = load_initial(specs, cells[0])
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
     resumed = ckpt.latest_step() is not None
     if resumed:

@@ -47,16 +47,18 @@ class Notifying:
 class Controller:
     """Runs ``rt.specs.run.steps`` RL steps of the runtime ``rt`` (gyre/rl/builder.py).
 
-    policy_fn: an allocation policy (default: the configured one); after_microbatch: a hook
-    called after every micro-batch gradient (tests use it to kill the run at a chosen point).
+    policy_fn: an allocation policy (default: the configured one); timeline: the run's role
+    time line (default: a new one); after_microbatch: a hook called after every micro-batch
+    gradient (tests use it to kill the run at a chosen point).
     """
 
-    def __init__(self, rt, policy_fn=None, after_microbatch=None):
+    def __init__(self, rt, policy_fn=None, timeline=None, after_microbatch=None):
         self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
         self.policy = policy_fn or policies.POLICIES[self.specs.run.policy]
         self.after_microbatch = after_microbatch
         self.roles = ["rollout"] * len(rt.cells)
-        self.timeline = RoleTimeline(len(rt.cells))
+        self.timeline = timeline or RoleTimeline(len(rt.cells))
+        self.timeline.set_all("rollout")
         self.trace = TraceWriter(rt.path("trace.jsonl"), self.specs.agent.max_seconds)
         self.counters = collections.Counter()  # dispatched, finished
         self.handovers = collections.Counter()
@@ -95,6 +97,7 @@ class Controller:
         for i, role in enumerate(roles):
             if role == self.roles[i]:
                 continue
+            self.timeline.switch(i, "switch")
             if role == "train":
                 self.handovers.update(self.proxy.release(i, self.specs.run.handover))
             else:
@@ -167,8 +170,13 @@ class Controller:
     async def evaluate(self, num_tasks: int, seed: int) -> dict:
         """Greedy held-out evaluation, on the roles it declares (gyre/rl/evaluation.py)."""
         self.apply_roles(evaluation.required_roles(tuple(self.roles)))
-        return await evaluation.evaluate(self.rt.env, self.proxy, self.specs.agent, num_tasks,
-                                         seed)  # fmt: skip
+        roles = self.timeline.set_all("eval")
+        try:
+            return await evaluation.evaluate(self.rt.env, self.proxy, self.specs.agent,
+                                             num_tasks, seed)  # fmt: skip
+        finally:
+            for i, role in enumerate(roles):
+                self.timeline.switch(i, role)
 
     # ------------------------------------------------------------------ main loop
 

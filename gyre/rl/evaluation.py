@@ -13,6 +13,7 @@ import numpy as np
 
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
+from gyre.metrics import standard_error
 
 # Held-out task seeds start here; training draws its task seeds below 2**31 - 1 from
 # (seed, step), and evaluation seeds are offset from them by construction.
@@ -42,7 +43,13 @@ async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: i
     """Greedy success and milestone rate on ``num_tasks`` held-out tasks keyed by ``seed``."""
     tasks = env.make_tasks(HELD_OUT_BASE + seed, num_tasks)
     res = await run_executions(env, tasks, Temperature(client, 0.0), settings)
+    success = np.asarray([r.end_reason == "success" for r in res], np.float64)
+    milestones = np.asarray([r.milestones / max(1, r.num_milestones) for r in res])
     return {
-        "eval_success": float(np.mean([r.end_reason == "success" for r in res])),
-        "eval_milestones": float(np.mean([r.milestones / max(1, r.num_milestones) for r in res])),
+        "eval_success": float(success.mean()),
+        "eval_success_se": standard_error(success),
+        "eval_milestones": float(milestones.mean()),
+        "eval_milestones_se": standard_error(milestones),
+        "eval_tasks": len(res),
     }
+

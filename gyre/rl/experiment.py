@@ -2,6 +2,7 @@
 builder, and hands specs to the library.
 
 - ``rl``: supervised warm start, RL under the elastic scheduler, evaluation, plots;
+- ``sft``: the supervised warm start alone, exported as a Hugging Face checkpoint;
 - ``harness``: the agent harness with scripted policies on the ledger task (no model);
 - ``smoke``: cells, a tiny model, one train step, a role move.
 """
@@ -15,11 +16,15 @@ import time
 
 from gyre import plots, smoke
 from gyre.agent.driver import run_scripted_harness
+from gyre.cache import cache_dir
 from gyre.envs.registry import make_env
-from gyre.metrics import MetricsWriter, progress_line, read_metrics
+from gyre.errors import AlreadyFinished
+from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics
+from gyre.model.hf import save_hf
 from gyre.rl.builder import build_runtime, build_specs
 from gyre.rl.controller import Controller
-from gyre.rl.progress import RunLedger
+from gyre.rl.progress import RoleTimeline, RunLedger
+from gyre.rl.report import rl_status, summary_table, where_line
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
 
@@ -29,10 +34,12 @@ PROGRESS_KEYS = ("reward", "success", "partial", "loss", "eval_success", "role_t
 
 class StepRecorder:
     """What happens after each optimizer step, in an order that makes resume exact: the
-    ledger line, the evaluation, the checkpoint, then the metrics row."""
+    ledger line, the evaluation, the checkpoint, then the metrics row and the time line."""
 
-    def __init__(self, rt, ctrl: Controller, ledger: RunLedger, writer: MetricsWriter):
-        self.rt, self.ctrl, self.ledger, self.writer = rt, ctrl, ledger, writer
+    def __init__(self, rt, ctrl: Controller, ledger: RunLedger, writer: MetricsWriter, log,
+                 after=None):  # fmt: skip
+        self.rt, self.ctrl, self.ledger, self.writer, self.log = rt, ctrl, ledger, writer, log
+        self.after = after
 
     async def __call__(self, record: StepRecord) -> None:
         specs = self.rt.specs
@@ -45,66 +52,152 @@ class StepRecorder:
             t0 = time.time()
             self.rt.trainer.save(self.rt.checkpointer, {"next_step": record.version}, wait=True)
             metrics["checkpoint_seconds"] = round(time.time() - t0, 4)
-        step = metrics.pop("step")
-        self.writer.write(step, metrics)
-        print(progress_line(step + 1, specs.run.steps, metrics, PROGRESS_KEYS), flush=True)
+        del metrics["step"]  # rows count steps from 1: row s is the state after step s
+        self.writer.write(record.version, metrics)
+        self.ctrl.timeline.save(self.rt.path("timeline.json"))
+        if self.after is not None:
+            self.after()
+        self.log(progress_line(record.version, specs.run.steps, metrics, PROGRESS_KEYS))
+
+
+def run_warm_start(rt, log=print, on_step=None) -> tuple[object, dict]:
+    """The supervised warm start of ``rt``'s specs (cached) -> (params, info)."""
+    specs, sft = rt.specs, rt.specs.sft
+    seed = sft.recipe.seed
+    if specs.init_dir or seed == specs.seed:
+        init = rt.trainer.params  # the checkpoint, or the run seed's initial weights
+    else:
+        init = rt.init_params(seed)
+    params, info = warm_start(
+        sft, rt.cells, rt.graphdef, init, cache_dir("warmstart", sft.dir),
+        # keyed by the warm start's seed: its stopping rule may read this evaluation
+        lambda p: rt.evaluate_now(p, sft.eval_tasks, seed + 1), log, on_step,
+    )  # fmt: skip
+    return params, info
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict) -> None:
+    """The warm start and the evaluation before RL (a fresh run only), on the time line."""
+    specs = rt.specs
+    if specs.sft.steps:
+        timeline.set_all("warmstart")
+        progress = {"step": 0}
+        total = specs.sft.steps
+        hb.status = lambda: (f"warm start step {progress['step']}/{total}, "
+                             f"{eta(hb.elapsed(), progress['step'], total)} (at most)")  # fmt: skip
+        params, summary["warm_start"] = run_warm_start(
+            rt, hb.say, lambda step, info: progress.update(step=step))
+        rt.install(params)
+        for row in summary["warm_start"].pop("history", []):
+            writer.scalars("warmstart", row["step"], row)
+    if specs.eval.tasks:
+        timeline.set_all("eval")
+        hb.status = lambda: f"evaluating {specs.eval.tasks} held-out tasks before RL"
+        summary["eval_start"] = rt.evaluate_now(rt.trainer.params, specs.eval.tasks, specs.seed)
+        hb.say("before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval_start"].items()))
 
 
 def rl(cfg, workdir: str, after_microbatch=None) -> dict:
     """Runs (or resumes) one RL experiment in ``workdir`` and returns its summary.
 
     after_microbatch: a hook called with the micro-batch count (tests kill the run with it).
+    A relaunch of a finished run raises AlreadyFinished and leaves the workdir as it is.
     """
     t0 = time.time()
     specs = build_specs(cfg)
     rt = build_runtime(specs, workdir)
+    steps = specs.run.steps
+    if rt.resumed and rt.trainer.version >= steps:
+        rt.checkpointer.close()
+        raise AlreadyFinished(
+            f"{workdir} already holds all {steps} steps of this run; its outputs are left as "
+            f"they are (raise run.steps to train on, or use another workdir)"
+        )
     ledger = RunLedger(workdir)
+    previous = _read_json(rt.path("summary.json")) if rt.resumed else {}
     if rt.resumed:
         ledger.truncate(rt.trainer.version)
-    fresh = rt.trainer.version == 0
-    summary: dict = {"name": specs.name, "scheduler": specs.run.policy, "cells": len(rt.cells)}
-    sft = specs.sft
-    if fresh and sft.steps:
-        seed = sft.recipe.seed
-        init = rt.trainer.params if seed == specs.seed else rt.init_params(seed)
-        params, info = warm_start(
-            sft, rt.cells, rt.graphdef, init, sft.dir or rt.path("warmstart"),
-            # keyed by the warm start's seed: its stopping rule may read this evaluation
-            lambda p: rt.evaluate_now(p, sft.eval_tasks, seed + 1),
-        )  # fmt: skip
-        rt.install(params)
-        summary["warm_start"] = {k: v for k, v in info.items() if k != "history"}
-    if fresh and specs.eval.tasks:
-        summary["eval_start"] = rt.evaluate_now(rt.trainer.params, specs.eval.tasks, specs.seed)
-        print(f"before RL: {summary['eval_start']}", flush=True)
+    timeline = RoleTimeline.load(rt.path("timeline.json"), len(rt.cells))
+    summary: dict = {k: v for k, v in previous.items() if k in ("warm_start", "eval_start")}
+    summary.update(name=specs.name, scheduler=specs.run.policy, cells=len(rt.cells))
 
-    ctrl = Controller(rt, after_microbatch=after_microbatch)
+    def save_summary() -> None:
+        """The summary so far (a kill keeps what came before RL, and the time spent)."""
+        wall = round(previous.get("wall_seconds", 0.0) + time.time() - t0, 1)
+        _write_json(rt.path("summary.json"), dict(summary, wall_seconds=wall, finished=False))
+
     writer = MetricsWriter(workdir)
-    try:
-        asyncio.run(ctrl.run(StepRecorder(rt, ctrl, ledger, writer)))
-    finally:
-        writer.close()
-        rt.checkpointer.close()
+    with Heartbeat() as hb:
+        hb.say(where_line(rt, workdir))
+        if rt.resumed:
+            hb.say(f"resuming after step {rt.trainer.version}/{steps} from the checkpoint in "
+                   f"{rt.checkpointer.directory}")  # fmt: skip
+        try:
+            if rt.trainer.version == 0:
+                _before_rl(rt, timeline, hb, writer, summary)
+                if "eval_start" in summary:
+                    writer.scalars("", 0, summary["eval_start"])  # the curves' step 0
+                save_summary()
+            ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch)
+            rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
+            ctrl.handovers.update({k[len("handover_"):]: v for k, v in (rows[-1] if rows else {})
+                                   .items() if k.startswith("handover_")})  # fmt: skip
+            v0, t_rl = rt.trainer.version, time.monotonic()
+            hb.status = lambda: rl_status(ctrl, v0, time.monotonic() - t_rl)
+            asyncio.run(ctrl.run(StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)))
+        finally:
+            writer.close()
+            rt.checkpointer.close()
+            timeline.save(rt.path("timeline.json"))
     rows = read_metrics(workdir)
+    last = rows[-1] if rows else {}
     summary.update(
         steps=len(rows),
         final_version=rt.trainer.version,
-        wall_seconds=round(time.time() - t0, 1),
+        wall_seconds=round(previous.get("wall_seconds", 0.0) + time.time() - t0, 1),
         reward_first=rows[0]["reward"] if rows else None,
-        reward_last=rows[-1]["reward"] if rows else None,
-        eval_end={
-            k: rows[-1][k] for k in ("eval_success", "eval_milestones") if rows and k in rows[-1]
-        },
-        handovers=dict(ctrl.handovers),
+        reward_last=last.get("reward"),
+        eval_end={k: v for k, v in last.items() if k.startswith("eval_")},
+        switches=timeline.switches,
+        handovers={k[len("handover_"):]: v for k, v in last.items() if k.startswith("handover_")},
         prefix_hit_rate=round(rt.proxy.prefix_hit_rate(), 4),
+        finished=True,
     )
     plots.learning_curves(rows, rt.path("learning_curves.png"),
-                          ("reward", "success", "partial", "eval_success", "loss"))  # fmt: skip
-    plots.role_timeline(ctrl.timeline.all_spans(), rt.path("roles.png"))
-    with open(rt.path("timeline.json"), "w") as f:
-        json.dump(ctrl.timeline.to_json(), f)
-    print("summary: " + json.dumps(summary, default=str), flush=True)
+                          ("reward", "success", "partial", "eval_success", "loss"),
+                          start=summary.get("eval_start"))  # fmt: skip
+    plots.role_timeline(timeline.all_spans(), rt.path("roles.png"))
+    print(summary_table(summary), flush=True)
     return summary
+
+
+def sft(cfg, workdir: str) -> dict:
+    """The warm start alone, exported as a Hugging Face checkpoint in <workdir>/hf (a run
+    starts from it with --config.model.hf_dir=<workdir>/hf)."""
+    specs = build_specs(cfg)
+    rt = build_runtime(specs, workdir)
+    try:
+        params, info = run_warm_start(rt)
+    finally:
+        rt.checkpointer.close()
+    save_hf(rt.path("hf"), rt.graphdef, params, specs.model)
+    info["eval"] = rt.evaluate_now(params, max(specs.eval.tasks, 16), specs.seed)
+    print(f"warm start exported to {rt.path('hf')}: {json.dumps(info)}", flush=True)
+    return info
 
 
 def harness(cfg, workdir: str) -> dict:

@@ -1,5 +1,5 @@
-"""Run bookkeeping that must survive a kill: which executions each trained step used, and the
-time line of cell roles (for metrics and the Gantt chart)."""
+"""Run bookkeeping that must survive a kill: which executions each trained step used, the time
+line of cell roles (for metrics and the Gantt chart), and the call trace."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from gyre.rollout.engine import common_prefix
 class RunLedger:
     """<workdir>/ledger.jsonl: one line per optimizer step with the execution ids it trained.
 
-    On resume from version v, lines (and metrics rows) of steps >= v are dropped: those steps
-    are re-run from their seeds, so no execution is trained twice or lost.
+    On resume from version v, ledger and trace lines of step indices >= v (0-based) and
+    metrics rows after step v (rows count from 1) are dropped: those steps are re-run from
+    their seeds, so no execution is trained twice or lost.
     """
 
     def __init__(self, workdir: str):
@@ -35,8 +36,9 @@ class RunLedger:
             return [json.loads(line) for line in f if line.strip()]
 
     def truncate(self, version: int) -> None:
-        """Keeps only steps < version in the ledger, the metrics and the trace."""
-        for path in (self.path, self.metrics_path, self.trace_path):
+        """Keeps only the first ``version`` steps in the ledger, the metrics and the trace."""
+        for path, keep_below in ((self.path, version), (self.metrics_path, version + 1),
+                                 (self.trace_path, version)):  # fmt: skip
             if not os.path.exists(path):
                 continue
             with open(path) as f:
@@ -44,7 +46,7 @@ class RunLedger:
             kept = []
             for line in rows:
                 try:
-                    if json.loads(line)["step"] < version:
+                    if json.loads(line)["step"] < keep_below:
                         kept.append(line)
                 except (json.JSONDecodeError, KeyError):
                     pass  # a line cut short by the kill
@@ -53,24 +55,52 @@ class RunLedger:
 
 
 class RoleTimeline:
-    """Per-cell role spans since the start of the run (wall seconds) and busy time."""
+    """Per-cell role spans over the whole run (wall seconds) and busy time.
 
-    def __init__(self, num_cells: int, role: str = "rollout"):
-        self.t0 = time.time()
-        self.current = [(role, 0.0)] * num_cells
-        self.spans: list[tuple[int, str, float, float]] = []
+    Roles: 'rollout' and 'train' (what the scheduler allocates), 'switch' (a cell handing its
+    requests over or loading weights), 'eval' (greedy evaluation) and 'warmstart' (supervised
+    steps before RL). ``history``: the spans an earlier part of this run wrote to
+    timeline.json; the new spans continue after them, so a resumed run has one time line.
+    """
+
+    SCHEDULED = ("rollout", "train")
+
+    def __init__(self, num_cells: int, role: str = "rollout", history=()):
+        self.spans = [(h["cell"], h["role"], h["start"], h["end"]) for h in history]
+        offset = max((h["end"] for h in history), default=0.0)
+        self.t0 = time.time() - offset
+        self.current = [(role, offset)] * num_cells
         self.busy_s = [0.0] * num_cells
-        self.switches = 0
+        self.switches = 0  # changes between the scheduled roles (a 'switch' span is not one)
+        self._scheduled = [role if role in self.SCHEDULED else None] * num_cells
+        for cell in range(num_cells):
+            for _, r, _, _ in sorted((x for x in self.spans if x[0] == cell), key=lambda x: x[2]):
+                self._count(cell, r)
+
+    def _count(self, cell: int, role: str) -> None:
+        if role in self.SCHEDULED:
+            if self._scheduled[cell] not in (None, role):
+                self.switches += 1
+            self._scheduled[cell] = role
 
     def now(self) -> float:
         return time.time() - self.t0
 
     def switch(self, cell: int, role: str) -> None:
         old, start = self.current[cell]
+        if old == role:
+            return
         t = self.now()
         self.spans.append((cell, old, start, t))
         self.current[cell] = (role, t)
-        self.switches += 1
+        self._count(cell, role)
+
+    def set_all(self, role: str) -> list[str]:
+        """Every cell to ``role`` (a phase of the run); -> the roles they had."""
+        before = [r for r, _ in self.current]
+        for cell in range(len(self.current)):
+            self.switch(cell, role)
+        return before
 
     def busy(self, cell: int, seconds: float) -> None:
         self.busy_s[cell] += seconds
@@ -80,10 +110,12 @@ class RoleTimeline:
         return self.spans + [(i, r, s, t) for i, (r, s) in enumerate(self.current)]
 
     def fractions(self, prefix: str = "") -> dict:
-        """Share of cell-time in each role so far, and the number of switches."""
+        """Share of cell-time in each role since RL began (warm start left out), and the
+        number of switches between rollout and train."""
         total = {"rollout": 0.0, "train": 0.0}
         for _, role, start, end in self.all_spans():
-            total[role] = total.get(role, 0.0) + end - start
+            if role != "warmstart":
+                total[role] = total.get(role, 0.0) + end - start
         whole = sum(total.values()) or 1.0
         out = {f"{prefix}{role}_frac": v / whole for role, v in total.items()}
         out[f"{prefix}switches"] = self.switches
@@ -93,7 +125,24 @@ class RoleTimeline:
         return [
             {"cell": c, "role": r, "start": round(s, 4), "end": round(e, 4)}
             for c, r, s, e in self.all_spans()
+            if e > s
         ]
+
+    def save(self, path: str) -> None:
+        """Writes timeline.json (atomically: a kill leaves the previous one)."""
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, num_cells: int) -> RoleTimeline:
+        """The time line saved at ``path`` continued (a fresh one if there is none)."""
+        history = []
+        if os.path.exists(path):
+            with open(path) as f:
+                history = [h for h in json.load(f) if h["cell"] < num_cells]
+        return cls(num_cells, history=history)
 
 
 class TraceWriter:

@@ -86,7 +86,7 @@ class SftSpec:
     target_accuracy: float = 0.0
     eval_every: int = 50
     eval_tasks: int = 16
-    dir: str = ""  # "" = <workdir>/warmstart
+    dir: str = ""  # "" = the shared cache (gyre/cache.py)
 
     def done(self, steps: int, accuracy: float) -> bool:
         target = self.target_accuracy
@@ -99,6 +99,7 @@ class Specs:
 
     name: str
     seed: int
+    init_dir: str  # HF checkpoint directory of the initial weights ("" = random init)
     mesh: MeshSpec
     model: ModelSpec
     rollout: RolloutSpec

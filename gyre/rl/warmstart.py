@@ -51,8 +51,10 @@ def fingerprint(recipe: SftRecipe) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def warm_start(spec: SftSpec, cells, graphdef, params, folder: str, evaluate):
-    """Returns (params, info). ``evaluate(params) -> dict`` with 'eval_milestones' in [0, 1].
+def warm_start(spec: SftSpec, cells, graphdef, params, folder: str, evaluate, log=print,
+               on_step=None):  # fmt: skip
+    """Returns (params, info). ``evaluate(params) -> dict`` with 'eval_milestones' in [0, 1];
+    ``log(line)`` reports each evaluation; ``on_step(step, info)`` follows every step.
 
     ``params`` (the starting weights of a fresh warm start) must be initialised from
     ``spec.recipe.seed``: the cache is keyed by that seed.
@@ -81,6 +83,8 @@ def warm_start(spec: SftSpec, cells, graphdef, params, folder: str, evaluate):
             step = trainer.step
             batch = demo_batch(recipe, seed=recipe.seed * 1_000_003 + step, n=recipe.batch)
             out = trainer.train_step(cells, batch)
+            if on_step is not None:
+                on_step(trainer.step, info)
             if trainer.step % spec.eval_every and trainer.step < spec.steps:
                 continue
             acc = float(evaluate(trainer.params)["eval_milestones"])
@@ -88,11 +92,15 @@ def warm_start(spec: SftSpec, cells, graphdef, params, folder: str, evaluate):
             info["history"].append({"step": trainer.step, "nll": out.metrics["loss"],
                                     "accuracy": acc, "seconds": seconds})  # fmt: skip
             info.update(steps=trainer.step, accuracy=acc, seconds=seconds)
-            print(f"warm start step {trainer.step}: nll {out.metrics['loss']:.4f} "
-                  f"per-step accuracy {acc:.3f}", flush=True)  # fmt: skip
+            log(f"warm start step {trainer.step}: nll {out.metrics['loss']:.4f} "
+                f"per-step accuracy {acc:.3f}")  # fmt: skip
             trainer.save(ckpt, {"fingerprint": fp}, wait=True)
             with open(info_path, "w") as f:
                 json.dump(info, f, indent=2)
+        if spec.target_accuracy and info["accuracy"] < spec.target_accuracy:
+            log(f"warm start: stopped at sft.steps={spec.steps} with per-step accuracy "
+                f"{info['accuracy']:.3f}, below its target sft.target_accuracy="
+                f"{spec.target_accuracy}")  # fmt: skip
         return trainer.params, dict(info, cached=False)
     finally:
         ckpt.close()

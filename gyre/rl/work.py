@@ -15,6 +15,7 @@ import dataclasses
 import numpy as np
 
 from gyre.envs.base import Task
+from gyre.metrics import standard_error
 from gyre.train.step import StepOutcome, split_microbatches
 from gyre.trajectory.advantages import execution_score
 from gyre.trajectory.batch import ExecutionResult, TrajectorySpec, build_batch
@@ -106,9 +107,12 @@ def step_metrics(record: StepRecord, reward: str = "partial") -> dict:
     scores = [r.score for r in res if r.score is not None]
     partial = [r.score for r in res if r.score is not None and r.end_reason != "success"]
     reasons = collections.Counter(r.end_reason for r in res)
+    success = [float(r.end_reason == "success") for r in res]
     m = {
         "reward": float(np.mean(scores)) if scores else 0.0,
-        "success": float(np.mean([r.end_reason == "success" for r in res])) if res else 0.0,
+        "reward_se": standard_error(scores),
+        "success": float(np.mean(success)) if res else 0.0,
+        "success_se": standard_error(success),
         "partial": float(np.mean(partial)) if partial else 0.0,
         "milestones": float(np.mean([r.milestones / max(1, r.num_milestones) for r in res]))
         if res

@@ -1,0 +1,71 @@
+"""What a run tells its user: the line that says what runs where, the live status line, and
+the end-of-run table (pure functions of counters and summaries)."""
+
+from __future__ import annotations
+
+import math
+
+from gyre.metrics import clock, eta
+
+
+def where_line(rt, workdir: str) -> str:
+    """One line: what runs where (devices, cells, scheduler, the work)."""
+    s, cells = rt.specs, rt.cells
+    platform = cells[0].devices[0].platform
+    n = sum(c.size for c in cells)
+    return (f"{s.name}: {n} {platform} device(s) as {len(cells)} cell(s) of {cells[0].size}, "
+            f"{s.run.policy} scheduler, {s.run.steps} RL steps of {s.run.tasks_per_step} tasks x "
+            f"{s.run.samples_per_task} samples, env {s.env.name}; workdir {workdir}")  # fmt: skip
+
+
+def rl_status(ctrl, first_version: int, elapsed: float) -> str:
+    """The live line of the RL loop: step, executions, micro-batches, roles, ETA."""
+    steps, v = ctrl.specs.run.steps, ctrl.trainer.version
+    roles = {r: ctrl.roles.count(r) for r in ("rollout", "train") if r in ctrl.roles}
+    return (f"RL step {min(v + 1, steps)}/{steps}: {ctrl.counters['finished']}/"
+            f"{ctrl.counters['dispatched']} executions finished, "
+            f"{ctrl.trainer.microbatches_done} micro-batches trained, cells "
+            f"{', '.join(f'{k} {n}' for k, n in roles.items())}; "
+            f"{eta(elapsed, v - first_version, steps - first_version)}")  # fmt: skip
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def change_line(name: str, start: dict, end: dict, key: str) -> str | None:
+    """'name: before ± se -> after ± se (change ± se, z)' for an evaluated mean, or None."""
+    if key not in start or key not in end:
+        return None
+    a, b = start[key], end[key]
+    sa, sb = start.get(f"{key}_se", 0.0), end.get(f"{key}_se", 0.0)
+    se = math.sqrt(sa**2 + sb**2)
+    z = f", {(b - a) / se:+.1f} SE" if se > 0 else ""
+    return (f"{name:<20} {_pct(a)} ± {_pct(sa)} -> {_pct(b)} ± {_pct(sb)}  "
+            f"(change {100 * (b - a):+.1f} ± {100 * se:.1f} points{z})")  # fmt: skip
+
+
+def summary_table(summary: dict) -> str:
+    """The short end-of-run table: held-out success and milestones before/after with their
+    standard errors, steps, switches, hand-overs, time."""
+    start, end = summary.get("eval_start", {}), summary.get("eval_end", {})
+    n = end.get("eval_tasks", start.get("eval_tasks"))
+    lines = [f"== {summary.get('name', 'run')}: {summary.get('steps', 0)} RL steps, "
+             f"{summary.get('scheduler', '?')} scheduler =="]  # fmt: skip
+    for name, key in (("held-out success", "eval_success"),
+                      ("held-out milestones", "eval_milestones")):  # fmt: skip
+        line = change_line(name, start, end, key)
+        if line:
+            lines.append(line)
+    if n:
+        lines.append(f"{'evaluation':<20} greedy, {n} held-out tasks (before RL and after)")
+    hand = summary.get("handovers", {})
+    lines.append(f"{'role switches':<20} {summary.get('switches', 0)}; live requests handed over: "
+                 + (", ".join(f"{k} {v}" for k, v in sorted(hand.items())) or "none"))  # fmt: skip
+    ws = summary.get("warm_start", {})
+    if ws:
+        state = "cached" if ws.get("cached") else f"{clock(ws.get('seconds', 0))}"
+        lines.append(f"{'warm start':<20} {ws.get('steps', 0)} steps, per-step accuracy "
+                     f"{ws.get('accuracy', 0):.3f} ({state})")  # fmt: skip
+    lines.append(f"{'time':<20} {clock(summary.get('wall_seconds', 0))}")
+    return "\n".join(lines)
