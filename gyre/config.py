@@ -121,6 +121,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.tasks = 0  # greedy held-out tasks per evaluation (0: no evaluation)
     c.eval.every = 0  # evaluate every N steps (0: before and after RL only)
+    c.eval.temperature = 0.0  # 0: greedy; else the sampling policy RL trains, at this temperature
 
     # Supervised warm start on expert demonstrations (gyre/rl/warmstart.py), cached by its
     # fingerprint in sft.dir.

@@ -45,14 +45,15 @@ def role_timeline(spans: list[tuple[int, str, float, float]], path: str) -> str:
     roles = {s[1] for s in spans}
     colors = {r: c for r, c in ROLE_COLORS.items() if r in roles}
     cells = sorted({s[0] for s in spans})
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(cells) + 1))
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(cells) + 1.4))
     for cell, role, start, end in spans:
         ax.barh(cell, end - start, left=start, color=colors.get(role, "k"), height=0.8)
     ax.set_yticks(cells)
     ax.set_xlabel("seconds")
     ax.set_ylabel("cell")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
+    ax.legend(handles, list(colors), loc="upper center", bbox_to_anchor=(0.5, -0.3),
+              ncol=len(colors), fontsize=8, frameon=False)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -15,13 +15,14 @@ from gyre.config import default_config  # noqa: E402
 from gyre.mesh import make_cells  # noqa: E402
 from gyre.model import ModelSpec, apply, apply_logits  # noqa: E402
 from gyre.model.hf import config_from_hf, load_hf, save_hf  # noqa: E402
+from gyre.rl.builder import build_specs  # noqa: E402
 
 T = 16
 
 
 def gyre_cfg() -> ModelSpec:
     # the reference path; test_model compares block_sparse against it
-    return dataclasses.replace(ModelSpec(**default_config().model), attention="dense")
+    return dataclasses.replace(build_specs(default_config()).model, attention="dense")
 
 
 def torch_model(tie: bool, seed: int = 0):

@@ -50,10 +50,12 @@ def _launch(*flags):
         ("--config.train.lrr=3e-4", "lrr"),
         ("--config.mesh.cell_size=3", "mesh.cell_size"),
         ("--config.train.lr=fast", "lr"),
+        ("--config=experiments/quickstart.py:colocat", "unknown quickstart variant 'colocat'"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_key(tmp_path, flag, needle):
     out = _launch("--config=experiments/smoke.py", f"--workdir={tmp_path}", flag)
     assert out.returncode != 0
     assert needle in out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr
     assert not (tmp_path / "summary.json").exists()

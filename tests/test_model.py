@@ -20,6 +20,7 @@ from gyre.model import (
     init_sharded,
     param_logical_axes,
 )
+from gyre.rl.builder import build_specs
 
 T = 16
 
@@ -27,7 +28,7 @@ T = 16
 def model_cfg(**overrides) -> ModelSpec:
     # "dense" is the reference; block_sparse is compared against it explicitly
     settings = {"attn_block": 8, "attention": "dense", **overrides}
-    return dataclasses.replace(ModelSpec(**default_config().model), **settings)
+    return dataclasses.replace(build_specs(default_config()).model, **settings)
 
 
 def random_tree(seed: int, t: int):

@@ -89,7 +89,7 @@ def build_specs(cfg) -> Specs:
                       handover=cfg.scheduler.handover, switch_cost_s=cfg.scheduler.switch_cost_s,
                       checkpoint_every=cfg.train.checkpoint_every,
                       keep_checkpoints=cfg.train.keep_checkpoints, seed=cfg.seed),  # fmt: skip
-            eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.seed),
+            eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.eval.temperature, cfg.seed),
             sft=SftSpec(recipe, cfg.sft.steps, cfg.sft.target_accuracy, cfg.sft.eval_every,
                         max(cfg.eval.tasks, 16), cfg.sft.dir),  # fmt: skip
         )
@@ -119,14 +119,14 @@ class Runtime:
         self.trainer = Trainer(self.specs.trainer, self.cells, self.graphdef, params)
         self.proxy.set_weights(self.trainer.params, self.trainer.version)
 
-    def evaluate_now(self, params, num_tasks: int, seed: int) -> dict:
-        """Greedy evaluation of ``params`` outside the RL loop (e.g. during the warm start)."""
+    def evaluate_now(self, params, num_tasks: int, seed: int, temperature: float = 0.0) -> dict:
+        """Evaluation of ``params`` outside the RL loop (e.g. during the warm start)."""
 
         async def go():
             pump = asyncio.create_task(self.proxy.run())
             try:
                 return await evaluation.evaluate(self.env, self.proxy, self.specs.agent,
-                                                 num_tasks, seed)  # fmt: skip
+                                                 num_tasks, seed, temperature)  # fmt: skip
             finally:
                 pump.cancel()
 

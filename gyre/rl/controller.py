@@ -167,13 +167,13 @@ class Controller:
 
     # ------------------------------------------------------------------ evaluation
 
-    async def evaluate(self, num_tasks: int, seed: int) -> dict:
-        """Greedy held-out evaluation, on the roles it declares (gyre/rl/evaluation.py)."""
+    async def evaluate(self, num_tasks: int, seed: int, temperature: float = 0.0) -> dict:
+        """Held-out evaluation, on the roles it declares (gyre/rl/evaluation.py)."""
         self.apply_roles(evaluation.required_roles(tuple(self.roles)))
         roles = self.timeline.set_all("eval")
         try:
             return await evaluation.evaluate(self.rt.env, self.proxy, self.specs.agent,
-                                             num_tasks, seed)  # fmt: skip
+                                             num_tasks, seed, temperature)  # fmt: skip
         finally:
             for i, role in enumerate(roles):
                 self.timeline.switch(i, role)

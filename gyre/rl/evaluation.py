@@ -1,8 +1,8 @@
-"""Greedy held-out evaluation: which roles it needs, and the evaluation itself.
+"""Held-out evaluation: which roles it needs, and the evaluation itself.
 
 Evaluation runs on rollout cells. :func:`required_roles` says which roles a cell layout must
 change to for it (the controller applies them like any allocation, so the timeline shows them);
-:func:`evaluate` then runs the tasks through the harness with temperature 0.
+:func:`evaluate` then runs the tasks through the harness, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ def required_roles(roles: tuple[str, ...]) -> tuple[str, ...]:
     return ("rollout",) + tuple(roles[1:])
 
 
-async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: int) -> dict:
-    """Greedy success and milestone rate on ``num_tasks`` held-out tasks keyed by ``seed``."""
+async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: int,
+                   temperature: float = 0.0) -> dict:  # fmt: skip
+    """Success and milestone rate on ``num_tasks`` held-out tasks keyed by ``seed``, greedy
+    (temperature 0) or sampled. Sampling is keyed by execution, so every evaluation of one
+    run draws the same random numbers: before/after differences are not sampling luck."""
     tasks = env.make_tasks(HELD_OUT_BASE + seed, num_tasks)
-    res = await run_executions(env, tasks, Temperature(client, 0.0), settings)
+    res = await run_executions(env, tasks, Temperature(client, temperature), settings)
     success = np.asarray([r.end_reason == "success" for r in res], np.float64)
     milestones = np.asarray([r.milestones / max(1, r.num_milestones) for r in res])
     return {
@@ -51,5 +54,7 @@ async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: i
         "eval_milestones": float(milestones.mean()),
         "eval_milestones_se": standard_error(milestones),
         "eval_tasks": len(res),
+        # per task, in task order: two evaluations of one run compare task by task
+        "eval_outcomes": {"eval_success": success.tolist(), "eval_milestones": milestones.tolist()},
     }
 

@@ -28,7 +28,7 @@ from gyre.rl.report import rl_status, summary_table, where_line
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
 
-PROGRESS_KEYS = ("reward", "success", "partial", "loss", "eval_success", "role_train_frac",
+PROGRESS_KEYS = ("reward", "success", "partial", "grad_norm", "eval_success", "role_train_frac",
                  "step_seconds")  # fmt: skip
 
 
@@ -40,6 +40,7 @@ class StepRecorder:
                  after=None):  # fmt: skip
         self.rt, self.ctrl, self.ledger, self.writer, self.log = rt, ctrl, ledger, writer, log
         self.after = after
+        self.eval_outcomes = None  # per task, of the latest evaluation
 
     async def __call__(self, record: StepRecord) -> None:
         specs = self.rt.specs
@@ -47,7 +48,9 @@ class StepRecorder:
         self.ledger.record_step(record.step, record.execution_ids)
         last = record.version == specs.run.steps
         if specs.eval.due(record.version, last):
-            metrics.update(await self.ctrl.evaluate(specs.eval.tasks, specs.eval.seed))
+            ev = specs.eval
+            metrics.update(await self.ctrl.evaluate(ev.tasks, ev.seed, ev.temperature))
+            self.eval_outcomes = metrics.pop("eval_outcomes")
         if last or record.version % specs.run.checkpoint_every == 0:
             t0 = time.time()
             self.rt.trainer.save(self.rt.checkpointer, {"next_step": record.version}, wait=True)
@@ -107,7 +110,10 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict)
     if specs.eval.tasks:
         timeline.set_all("eval")
         hb.status = lambda: f"evaluating {specs.eval.tasks} held-out tasks before RL"
-        summary["eval_start"] = rt.evaluate_now(rt.trainer.params, specs.eval.tasks, specs.seed)
+        ev = specs.eval
+        summary["eval_start"] = rt.evaluate_now(rt.trainer.params, ev.tasks, ev.seed,
+                                                ev.temperature)  # fmt: skip
+        summary["eval_start_outcomes"] = summary["eval_start"].pop("eval_outcomes")
         hb.say("before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval_start"].items()))
 
 
@@ -132,8 +138,10 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
     if rt.resumed:
         ledger.truncate(rt.trainer.version)
     timeline = RoleTimeline.load(rt.path("timeline.json"), len(rt.cells))
-    summary: dict = {k: v for k, v in previous.items() if k in ("warm_start", "eval_start")}
-    summary.update(name=specs.name, scheduler=specs.run.policy, cells=len(rt.cells))
+    summary: dict = {k: v for k, v in previous.items()
+                     if k in ("warm_start", "eval_start", "eval_start_outcomes")}  # fmt: skip
+    summary.update(name=specs.name, scheduler=specs.run.policy, cells=len(rt.cells),
+                   eval_temperature=specs.eval.temperature)  # fmt: skip
 
     def save_summary() -> None:
         """The summary so far (a kill keeps what came before RL, and the time spent)."""
@@ -153,12 +161,13 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
                     writer.scalars("", 0, summary["eval_start"])  # the curves' step 0
                 save_summary()
             ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch)
+            recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)
             rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
             ctrl.handovers.update({k[len("handover_"):]: v for k, v in (rows[-1] if rows else {})
                                    .items() if k.startswith("handover_")})  # fmt: skip
             v0, t_rl = rt.trainer.version, time.monotonic()
             hb.status = lambda: rl_status(ctrl, v0, time.monotonic() - t_rl)
-            asyncio.run(ctrl.run(StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)))
+            asyncio.run(ctrl.run(recorder))
         finally:
             writer.close()
             rt.checkpointer.close()
@@ -172,14 +181,18 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
         reward_first=rows[0]["reward"] if rows else None,
         reward_last=last.get("reward"),
         eval_end={k: v for k, v in last.items() if k.startswith("eval_")},
+        eval_end_outcomes=recorder.eval_outcomes,
         switches=timeline.switches,
         handovers={k[len("handover_"):]: v for k, v in last.items() if k.startswith("handover_")},
         prefix_hit_rate=round(rt.proxy.prefix_hit_rate(), 4),
         finished=True,
     )
+    # The policy loss is ~0 by construction at the start of an on-policy step (ratio 1,
+    # mean-centred advantages), so the curves show what moves: success, reward, evaluation,
+    # the policy's entropy and the gradient norm.
     plots.learning_curves(rows, rt.path("learning_curves.png"),
-                          ("reward", "success", "partial", "eval_success", "loss"),
-                          start=summary.get("eval_start"))  # fmt: skip
+                          ("success", "reward", "eval_success", "eval_milestones", "entropy",
+                           "grad_norm"), start=summary.get("eval_start"))  # fmt: skip
     plots.role_timeline(timeline.all_spans(), rt.path("roles.png"))
     print(summary_table(summary), flush=True)
     return summary
@@ -196,6 +209,7 @@ def sft(cfg, workdir: str) -> dict:
         rt.checkpointer.close()
     save_hf(rt.path("hf"), rt.graphdef, params, specs.model)
     info["eval"] = rt.evaluate_now(params, max(specs.eval.tasks, 16), specs.seed)
+    del info["eval"]["eval_outcomes"]
     print(f"warm start exported to {rt.path('hf')}: {json.dumps(info)}", flush=True)
     return info
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-from gyre.metrics import clock, eta
+import numpy as np
+
+from gyre.metrics import clock, eta, standard_error
 
 
 def where_line(rt, workdir: str) -> str:
@@ -33,13 +35,22 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def change_line(name: str, start: dict, end: dict, key: str) -> str | None:
+def change_se(start: dict, end: dict, key: str, outcomes=(None, None)) -> float:
+    """Standard error of end[key] - start[key]: from the per-task differences when both
+    evaluations' outcomes are given (the same tasks, paired), else from the two SEs."""
+    a, b = ((o or {}).get(key) for o in outcomes)
+    if a is not None and b is not None and len(a) == len(b):
+        return standard_error(np.subtract(b, a))
+    return math.sqrt(start.get(f"{key}_se", 0.0) ** 2 + end.get(f"{key}_se", 0.0) ** 2)
+
+
+def change_line(name: str, start: dict, end: dict, key: str, outcomes=(None, None)) -> str | None:
     """'name: before ± se -> after ± se (change ± se, z)' for an evaluated mean, or None."""
     if key not in start or key not in end:
         return None
     a, b = start[key], end[key]
     sa, sb = start.get(f"{key}_se", 0.0), end.get(f"{key}_se", 0.0)
-    se = math.sqrt(sa**2 + sb**2)
+    se = change_se(start, end, key, outcomes)
     z = f", {(b - a) / se:+.1f} SE" if se > 0 else ""
     return (f"{name:<20} {_pct(a)} ± {_pct(sa)} -> {_pct(b)} ± {_pct(sb)}  "
             f"(change {100 * (b - a):+.1f} ± {100 * se:.1f} points{z})")  # fmt: skip
@@ -54,11 +65,15 @@ def summary_table(summary: dict) -> str:
              f"{summary.get('scheduler', '?')} scheduler =="]  # fmt: skip
     for name, key in (("held-out success", "eval_success"),
                       ("held-out milestones", "eval_milestones")):  # fmt: skip
-        line = change_line(name, start, end, key)
+        outcomes = (summary.get("eval_start_outcomes"), summary.get("eval_end_outcomes"))
+        line = change_line(name, start, end, key, outcomes)
         if line:
             lines.append(line)
+    temp = summary.get("eval_temperature", 0.0)
+    how = "greedy" if not temp else f"sampled at temperature {temp:g}"
     if n:
-        lines.append(f"{'evaluation':<20} greedy, {n} held-out tasks (before RL and after)")
+        lines.append(f"{'evaluation':<20} {how}, the same {n} held-out tasks before and after "
+                     "RL (change SE from per-task differences)")  # fmt: skip
     hand = summary.get("handovers", {})
     lines.append(f"{'role switches':<20} {summary.get('switches', 0)}; live requests handed over: "
                  + (", ".join(f"{k} {v}" for k, v in sorted(hand.items())) or "none"))  # fmt: skip

@@ -48,10 +48,12 @@ class RunSpec:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-    """Greedy held-out evaluation: ``tasks`` tasks every ``every`` steps (0: start and end)."""
+    """Held-out evaluation: ``tasks`` tasks every ``every`` steps (0: start and end), greedy
+    (temperature 0) or sampled at ``temperature``."""
 
     tasks: int = 0
     every: int = 0
+    temperature: float = 0.0
     seed: int = 0
 
     def due(self, version: int, last: bool) -> bool:
