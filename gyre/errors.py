@@ -11,3 +11,7 @@ class ConfigError(ValueError):
 
 class AlreadyFinished(Exception):
     """A relaunched run whose workdir holds every step already: nothing is run or rewritten."""
+
+
+class Stopped(Exception):
+    """A run stopped on request (SIGINT/SIGTERM) at a step boundary, checkpointed there."""

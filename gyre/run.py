@@ -9,14 +9,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 
+from gyre import signals
 from gyre.config import ConfigError, validate
-from gyre.errors import AlreadyFinished
+from gyre.errors import AlreadyFinished, Stopped
 
 ENTRIES = {
     "smoke": "gyre.rl.experiment:smoke_test",
@@ -84,20 +83,11 @@ def config_changes(cfg, workdir: str) -> list[str]:
             if old.get(k) != new.get(k) and k not in FREE_KEYS]  # fmt: skip
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (how schedulers preempt) stops the run like Ctrl-C does."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-
-
 def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
     """Runs one experiment. A bad config exits with a one-line message naming the key; a
     relaunch with a config other than the workdir's run is refused unless
-    ``allow_config_change``; Ctrl-C or SIGTERM stop with one line saying how to resume.
+    ``allow_config_change``; Ctrl-C or SIGTERM stop after the step in progress (a second one
+    at once) with one line saying how to resume (gyre/signals.py).
 
     hooks: keyword arguments passed to the entry (tests use them, e.g. after_microbatch).
     """
@@ -123,12 +113,12 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
     write_config(cfg, workdir)
     if cfg.mesh.compilation_cache:
         mesh.enable_compilation_cache(cache_dir("xla", cfg.mesh.cache_dir))
-    _stop_on_sigterm()
+    signals.install()
     try:
         summary = entry(cfg, workdir, **hooks)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    except AlreadyFinished as e:
+    except (AlreadyFinished, Stopped) as e:
         print(str(e), flush=True)
         return {}
     except KeyboardInterrupt:

@@ -84,3 +84,35 @@ def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
     graphdef, _ = decoder.abstract_model(specs.model)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Trainer.restore(specs.trainer, cells, graphdef, Checkpointer(str(tmp_path / "none")))
+
+
+@pytest.mark.parametrize("damage", ["truncate_arrays", "break_metadata"])
+def test_an_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog, damage):
+    specs = build_specs(small_config())
+    cells = make_cells(2)[:1]
+    graphdef, params = decoder.init_sharded(specs.model, 2, cells[0], "train")
+    trainer = Trainer(specs.trainer, cells, graphdef, params)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    trainer.train_step(cells, *step_batch(specs, 0))
+    trainer.save(ckpt, wait=True)
+    good = _leaves(trainer.params)
+    trainer.train_step(cells, *step_batch(specs, 1))
+    trainer.save(ckpt, wait=True)
+    assert ckpt.all_steps() == [1, 2]
+    newest = tmp_path / "ckpt" / "2"
+    files = sorted(p for p in newest.rglob("*") if p.is_file())
+    if damage == "truncate_arrays":  # every array file cut short, as a kill mid-copy would
+        targets = [p for p in files if "params" in p.parts and p.stat().st_size > 0]
+    else:  # the metadata files are garbage
+        targets = [p for p in files if "meta" in p.parts or p.name.endswith("metadata")]
+    assert targets, files
+    for p in targets:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
+    with caplog.at_level("WARNING", logger="gyre.train.checkpoint"):
+        restored, _ = Trainer.restore(specs.trainer, cells, graphdef, Checkpointer(str(tmp_path / "ckpt")))
+    assert restored.step == 1
+    for a, b in zip(_leaves(restored.params), good):
+        np.testing.assert_array_equal(a, b)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "checkpoint 2" in line and "unreadable" in line and "resuming from step 1" in line
+    ckpt.close()

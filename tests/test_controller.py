@@ -160,14 +160,21 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["INT", "TERM"])
-def test_ctrl_c_and_sigterm_stop_with_one_line_and_resume(shared, tmp_path, sig):
-    stopped = _launch(tmp_path, shared, steps=2, kill_after=5, signal=sig)
-    lines = stopped.stderr.strip().splitlines()
-    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
-    assert lines[-1].startswith("interrupted: relaunch the same command to resume"), lines
-    again = _launch(tmp_path, shared, steps=2)
-    assert again.returncode == 0, again.stderr[-2000:]
+def test_ctrl_c_and_sigterm_stop_after_the_step_and_resume(shared, tmp_path, sig):
+    # The signal comes inside step 2 of 3: that step finishes, is checkpointed, and the run
+    # exits 0 with one line; the relaunch runs step 3 only.
+    stopped = _launch(tmp_path, shared, steps=3, kill_after=5, signal=sig)
+    assert stopped.returncode == 0 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
+    last = stopped.stdout.strip().splitlines()[-1]
+    assert last.startswith("stopped on request after step 2/3, checkpointed"), last
     assert [row["step"] for row in _ledger(tmp_path)] == [0, 1]
+    assert json.load(open(tmp_path / "summary.json"))["finished"] is False
+    again = _launch(tmp_path, shared, steps=3)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming after step 2/3" in again.stdout
+    assert [row["step"] for row in _ledger(tmp_path)] == [0, 1, 2]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
 
 
 def test_signal_fraction_counts_groups_whose_trained_rewards_differ():

@@ -49,13 +49,16 @@ class Controller:
 
     policy_fn: an allocation policy (default: the configured one); timeline: the run's role
     time line (default: a new one); after_microbatch: a hook called after every micro-batch
-    gradient (tests use it to kill the run at a chosen point).
+    gradient (tests use it to kill the run at a chosen point); should_stop: asked after each
+    finished step, True ends the loop there (a requested stop).
     """
 
-    def __init__(self, rt, policy_fn=None, timeline=None, after_microbatch=None):
+    def __init__(self, rt, policy_fn=None, timeline=None, after_microbatch=None,
+                 should_stop=None):  # fmt: skip
         self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
         self.policy = policy_fn or policies.POLICIES[self.specs.run.policy]
         self.after_microbatch = after_microbatch
+        self.should_stop = should_stop or (lambda: False)
         self.roles = ["rollout"] * len(rt.cells)
         self.timeline = timeline or RoleTimeline(len(rt.cells))
         self.timeline.set_all("rollout")
@@ -180,8 +183,9 @@ class Controller:
 
     # ------------------------------------------------------------------ main loop
 
-    async def run(self, on_step=None) -> None:
-        """Runs until run.steps optimizer steps exist; ``await on_step(record)`` after each."""
+    async def run(self, on_step=None) -> bool:
+        """Runs until run.steps optimizer steps exist, or a requested stop after a step;
+        ``await on_step(record)`` after each step. -> whether every step ran."""
         self.wake = asyncio.Event()
         pump = asyncio.create_task(self.proxy.run())
         steps = self.specs.run.steps
@@ -197,6 +201,8 @@ class Controller:
                     record = self.finish_step(min(ready, key=lambda w: w.step))
                     if on_step is not None:
                         await on_step(record)
+                    if self.should_stop() and self.trainer.version < steps:
+                        return False
                     continue
                 if self.train_one():
                     await asyncio.sleep(0)  # let rollout progress between micro-batches
@@ -210,3 +216,4 @@ class Controller:
                 await self.wake.wait()
         finally:
             pump.cancel()
+        return True

@@ -18,7 +18,7 @@ from gyre import plots, smoke
 from gyre.agent.driver import run_scripted_harness
 from gyre.cache import cache_dir
 from gyre.envs.registry import make_env
-from gyre.errors import AlreadyFinished
+from gyre.errors import AlreadyFinished, Stopped
 from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics
 from gyre.model.hf import save_hf
 from gyre.rl.builder import build_runtime, build_specs
@@ -27,6 +27,7 @@ from gyre.rl.progress import RoleTimeline, RunLedger
 from gyre.rl.report import rl_status, summary_table, where_line
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
+from gyre.signals import armed, stop_requested
 
 PROGRESS_KEYS = ("reward", "success", "partial", "grad_norm", "eval_success", "role_train_frac",
                  "step_seconds")  # fmt: skip
@@ -34,13 +35,16 @@ PROGRESS_KEYS = ("reward", "success", "partial", "grad_norm", "eval_success", "r
 
 class StepRecorder:
     """What happens after each optimizer step, in an order that makes resume exact: the
-    ledger line, the evaluation, the checkpoint, then the metrics row and the time line."""
+    ledger line, the evaluation, the metrics row, the checkpoint, then the time line. A kill
+    anywhere in between resumes from the checkpoint before, whose resume drops the ledger line
+    and the row of the step it re-runs, so no row is lost or written twice."""
 
     def __init__(self, rt, ctrl: Controller, ledger: RunLedger, writer: MetricsWriter, log,
                  after=None):  # fmt: skip
         self.rt, self.ctrl, self.ledger, self.writer, self.log = rt, ctrl, ledger, writer, log
         self.after = after
         self.eval_outcomes = None  # per task, of the latest evaluation
+        self.checkpoint_s = 0.0  # how long the latest checkpoint took (in the next row)
 
     async def __call__(self, record: StepRecord) -> None:
         specs = self.rt.specs
@@ -51,12 +55,13 @@ class StepRecorder:
             ev = specs.eval
             metrics.update(await self.ctrl.evaluate(ev.tasks, ev.seed, ev.temperature))
             self.eval_outcomes = metrics.pop("eval_outcomes")
-        if last or record.version % specs.run.checkpoint_every == 0:
+        del metrics["step"]  # rows count steps from 1: row s is the state after step s
+        metrics["last_checkpoint_seconds"] = self.checkpoint_s
+        self.writer.write(record.version, metrics)
+        if last or record.version % specs.run.checkpoint_every == 0 or stop_requested():
             t0 = time.time()
             self.rt.trainer.save(self.rt.checkpointer, {"next_step": record.version}, wait=True)
-            metrics["checkpoint_seconds"] = round(time.time() - t0, 4)
-        del metrics["step"]  # rows count steps from 1: row s is the state after step s
-        self.writer.write(record.version, metrics)
+            self.checkpoint_s = round(time.time() - t0, 4)
         self.ctrl.timeline.save(self.rt.path("timeline.json"))
         if self.after is not None:
             self.after()
@@ -160,18 +165,23 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
                 if "eval_start" in summary:
                     writer.scalars("", 0, summary["eval_start"])  # the curves' step 0
                 save_summary()
-            ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch)
+            ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch,
+                              should_stop=stop_requested)  # fmt: skip
             recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)
             rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
             ctrl.handovers.update({k[len("handover_"):]: v for k, v in (rows[-1] if rows else {})
                                    .items() if k.startswith("handover_")})  # fmt: skip
             v0, t_rl = rt.trainer.version, time.monotonic()
             hb.status = lambda: rl_status(ctrl, v0, time.monotonic() - t_rl)
-            asyncio.run(ctrl.run(recorder))
+            with armed():
+                complete = asyncio.run(ctrl.run(recorder))
         finally:
             writer.close()
             rt.checkpointer.close()
             timeline.save(rt.path("timeline.json"))
+    if not complete:
+        raise Stopped(f"stopped on request after step {rt.trainer.version}/{steps}, "
+                      f"checkpointed: relaunch the same command to continue {workdir}")  # fmt: skip
     rows = read_metrics(workdir)
     last = rows[-1] if rows else {}
     summary.update(

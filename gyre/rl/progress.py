@@ -69,7 +69,8 @@ class RoleTimeline:
         self.spans = [(h["cell"], h["role"], h["start"], h["end"]) for h in history]
         offset = max((h["end"] for h in history), default=0.0)
         self.t0 = time.time() - offset
-        self.current = [(role, offset)] * num_cells
+        last = {c: r for c, r, _, _ in sorted(self.spans, key=lambda x: x[3])}
+        self.current = [(last.get(cell, role), offset) for cell in range(num_cells)]
         self.busy_s = [0.0] * num_cells
         self.switches = 0  # changes between the scheduled roles (a 'switch' span is not one)
         self._scheduled = [role if role in self.SCHEDULED else None] * num_cells
@@ -125,7 +126,6 @@ class RoleTimeline:
         return [
             {"cell": c, "role": r, "start": round(s, 4), "end": round(e, 4)}
             for c, r, s, e in self.all_spans()
-            if e > s
         ]
 
     def save(self, path: str) -> None:

@@ -9,6 +9,7 @@ good checkpoint intact.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -17,6 +18,8 @@ import orbax.checkpoint as ocp
 
 from gyre.model import decoder
 from gyre.train import optimizer as topt
+
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -68,6 +71,11 @@ class Checkpointer:
         self.manager.close()
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
 def _with_shardings(tree, shardings):
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
@@ -90,9 +98,11 @@ def save_trainer(ckpt: Checkpointer, trainer, metadata: dict, wait: bool = False
 
 
 def restore_trainer(cls, spec, cells, graphdef, ckpt: Checkpointer, step=None, **kw):
-    """Builds ``cls`` (a Trainer) from checkpoint ``step`` (default: latest) on ``cells``."""
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
+    """Builds ``cls`` (a Trainer) from checkpoint ``step`` on ``cells``. By default the newest
+    intact one: an unreadable newer checkpoint (a truncated file, a broken metadata file) is
+    skipped with a one-line warning naming it."""
+    steps = sorted(ckpt.all_steps(), reverse=True) if step is None else [step]
+    if not steps:
         raise FileNotFoundError(f"no checkpoint to restore in {ckpt.directory}")
     core = cells[0]
     _, abstract_params = decoder.abstract_model(spec.model)
@@ -100,7 +110,16 @@ def restore_trainer(cls, spec, cells, graphdef, ckpt: Checkpointer, step=None, *
     abstract_params = _with_shardings(abstract_params, param_sh)
     tx = topt.make_optimizer(spec.optimizer)
     abstract_opt = topt.abstract_state(tx, abstract_params, param_sh, core.mesh)
-    params, opt_state, meta = ckpt.restore(step, abstract_params, abstract_opt)
+    for i, step in enumerate(steps):
+        try:
+            params, opt_state, meta = ckpt.restore(step, abstract_params, abstract_opt)
+            break
+        except Exception as e:  # orbax raises many types for damaged files
+            if i + 1 == len(steps):
+                raise OSError(f"no intact checkpoint in {ckpt.directory}: step {step}: "
+                              f"{_first_line(e)}") from e  # fmt: skip
+            log.warning("checkpoint %d in %s is unreadable (%s); resuming from step %d",
+                        step, ckpt.directory, _first_line(e), steps[i + 1])  # fmt: skip
     rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
     if meta["objective"] != spec.objective:
         raise ValueError(
