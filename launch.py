@@ -56,7 +56,20 @@ def main(argv):
     quiet_logs()
     from gyre import run  # after absl parsed flags, so XLA_FLAGS set by run apply first
 
-    run.main(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value)
+    run.main(load_config(), _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value)
+
+
+def load_config():
+    """The --config value; a file that cannot be loaded is one line naming it."""
+    try:
+        cfg = _CONFIG.value
+        cfg.keys()  # a file that failed to load is a placeholder that raises here
+        return cfg
+    except OSError as e:
+        cause = e.__cause__ or e
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        sys.exit(f"config error: cannot load --config={flags.FLAGS['config'].serialize()[9:]}"
+                 f": {lines[-1] if lines else cause}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -110,7 +110,10 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
     if changes:
         with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
             f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
-    write_config(cfg, workdir)
+    try:
+        write_config(cfg, workdir)
+    except OSError as e:
+        sys.exit(f"workdir error: cannot write into {workdir}: {e.strerror or e}")
     if cfg.mesh.compilation_cache:
         mesh.enable_compilation_cache(cache_dir("xla", cfg.mesh.cache_dir))
     signals.install()

@@ -24,7 +24,7 @@ def main(argv):
         if done == _KILL_AFTER.value:
             os.kill(os.getpid(), getattr(signal, "SIG" + _SIGNAL.value))
 
-    run.main(launch._CONFIG.value, launch._WORKDIR.value, after_microbatch=hook)
+    run.main(launch.load_config(), launch._WORKDIR.value, after_microbatch=hook)
 
 
 if __name__ == "__main__":

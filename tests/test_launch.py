@@ -59,3 +59,14 @@ def test_bad_flags_stop_with_a_message_naming_the_key(tmp_path, flag, needle):
     assert needle in out.stderr.strip().splitlines()[-1]
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_missing_config_file_and_unwritable_workdir_are_one_line(tmp_path):
+    out = _launch("--config=experiments/nope.py", f"--workdir={tmp_path}")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "experiments/nope.py" in out.stderr.strip().splitlines()[-1]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    out = _launch("--config=experiments/smoke.py", f"--workdir={blocked}/run")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("workdir error:")
