@@ -73,3 +73,22 @@ def test_sft_seed_keys_the_warm_start_apart_from_the_rl_seed():
     assert fingerprint(recipe(cfg)) == base
     cfg.sft.seed = 7
     assert fingerprint(recipe(cfg)) != base
+
+
+def test_only_what_the_warm_start_uses_is_in_its_key():
+    """RL-only settings (reward, packing, PPO clipping, RL lr, path cap, steps) share one
+    cached warm start; settings the warm start trains with give another."""
+    base = fingerprint(recipe(tiny()))
+    for path, value in [("trajectory.reward", "binary"), ("trajectory.packing", "flat"),
+                        ("train.clip_low", 0.1), ("train.lr", 3e-4), ("trajectory.max_paths", 1),
+                        ("run.steps", 9), ("scheduler.policy", "colocate")]:  # fmt: skip
+        cfg = tiny()
+        section, key = path.split(".")
+        cfg[section][key] = value
+        assert fingerprint(recipe(cfg)) == base, path
+    for path, value in [("sft.lr", 1e-4), ("sft.batch", 8), ("model.d_model", 64),
+                        ("env.num_ops", 5), ("train.b2", 0.99), ("trajectory.row_len", 512)]:  # fmt: skip
+        cfg = tiny()
+        section, key = path.split(".")
+        cfg[section][key] = value
+        assert fingerprint(recipe(cfg)) != base, path

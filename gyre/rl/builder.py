@@ -59,13 +59,17 @@ def build_specs(cfg) -> Specs:
                            rows_per_microbatch=cfg.train.rows_per_microbatch)  # fmt: skip
         env = _pick(EnvSpec, cfg.env, max_wrong=cfg.agent.max_retries)
         sft_seed = cfg.seed if cfg.sft.seed < 0 else cfg.sft.seed
+        # The recipe holds only what the warm start uses, so RL-only settings (the reward, the
+        # packing ablation, PPO clipping) leave its cache key, and its cached weights, alone.
         recipe = SftRecipe(
             trainer=dataclasses.replace(
-                trainer, objective="sft", seed=sft_seed,
+                trainer, objective="sft", seed=sft_seed, loss=LossSpec(),
                 optimizer=dataclasses.replace(trainer.optimizer, lr=cfg.sft.lr),
             ),  # fmt: skip
             # every path of a demonstration is a target, each token weighing the same
-            trajectory=dataclasses.replace(trajectory, max_paths=0, loss_mode="token-mean"),
+            trajectory=TrajectorySpec(model.vocab_size, max_paths=0, loss_mode="token-mean",
+                                      row_len=trajectory.row_len,
+                                      rows_per_microbatch=trajectory.rows_per_microbatch),  # fmt: skip
             env=env,
             batch=cfg.sft.batch,
             mistake_prob=cfg.sft.mistake_prob,
