@@ -95,6 +95,11 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
         validate(cfg)
         setup_devices(cfg)
         entry = resolve_entry(cfg.run.entry)
+        from gyre import mesh
+        from gyre.rl.builder import build_specs
+
+        # every part's own checks and the cell layout, before anything is written
+        mesh.cells_for(build_specs(cfg).mesh)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     changes = config_changes(cfg, workdir)
@@ -102,7 +107,6 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
         sys.exit(f"config error: {workdir} holds a run with another config ({'; '.join(changes)});"
                  " use a new --workdir, or relaunch with --allow_config_change to go on with "
                  "the new values")  # fmt: skip
-    from gyre import mesh
     from gyre.cache import cache_dir
 
     # CPU cannot reuse donated batch buffers for the gradient outputs; harmless there.

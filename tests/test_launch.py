@@ -51,6 +51,8 @@ def _launch(*flags):
         ("--config.mesh.cell_size=3", "mesh.cell_size"),
         ("--config.train.lr=fast", "lr"),
         ("--config=experiments/quickstart.py:colocat", "unknown quickstart variant 'colocat'"),
+        ("--config.train.rows_per_microbatch=0", "train.rows_per_microbatch"),
+        ("--config.trajectory.row_len=-128", "trajectory.row_len"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_key(tmp_path, flag, needle):
@@ -58,6 +60,7 @@ def test_bad_flags_stop_with_a_message_naming_the_key(tmp_path, flag, needle):
     assert out.returncode != 0
     assert needle in out.stderr.strip().splitlines()[-1]
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "config.json").exists()  # nothing written for a bad config
     assert not (tmp_path / "summary.json").exists()
 
 
