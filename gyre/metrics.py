@@ -105,7 +105,7 @@ class Heartbeat:
     read counters); :meth:`say` prints a line now and restarts the interval.
     """
 
-    def __init__(self, every: float = 10.0, status=None, stream=None):
+    def __init__(self, every: float = 9.0, status=None, stream=None):
         import sys
         import threading
 
@@ -124,15 +124,21 @@ class Heartbeat:
             print(f"[{clock(self.elapsed())}] {line}", file=self.stream, flush=True)
             self._last = time.monotonic()
 
+    def tick(self, now: float | None = None) -> None:
+        """Prints the status line if ``every`` seconds passed since the last line."""
+        now = time.monotonic() if now is None else now
+        if now - self._last < self.every:
+            return
+        try:
+            line = self.status()
+        except Exception as e:  # a status read mid-update: report, never crash
+            line = f"(status unavailable: {e!r})"
+        if line:
+            self.say(line)
+
     def _beat(self) -> None:
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self._last >= self.every:
-                try:
-                    line = self.status()
-                except Exception as e:  # a status read mid-update: report, never crash
-                    line = f"(status unavailable: {e!r})"
-                if line:
-                    self.say(line)
+        while not self._stop.wait(0.5):  # so no gap exceeds every + 0.5 s
+            self.tick()
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()
