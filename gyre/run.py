@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
 
 from gyre import signals
@@ -128,6 +129,13 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
     except (AlreadyFinished, Stopped) as e:
         print(str(e), flush=True)
         return {}
+    except Exception as e:  # anything else: one line, the traceback kept in the workdir
+        path = os.path.join(workdir, "error.txt")
+        with open(path, "w") as f:
+            traceback.print_exc(file=f)
+        first = (str(e).strip().splitlines() or [""])[0]
+        sys.exit(f"error: {type(e).__name__}: {first} (traceback in {path}; relaunch the same "
+                 f"command to resume from the last checkpoint)")  # fmt: skip
     except KeyboardInterrupt:
         step = last_checkpoint(workdir)
         where = f"its checkpoint after step {step}" if step else "the start (no step finished)"

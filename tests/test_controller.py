@@ -190,3 +190,16 @@ def test_signal_fraction_counts_groups_whose_trained_rewards_differ():
     assert signal_fraction(results, "partial") == pytest.approx(2 / 3)
     assert signal_fraction(results, "binary") == pytest.approx(1 / 3)
     assert signal_fraction([]) == 0.0
+
+
+def test_an_error_in_a_background_task_ends_the_run_at_once(shared, tmp_path, monkeypatch):
+    from gyre.rl.work import StepWork
+
+    def broken(self, results, spec):
+        raise ValueError("the packer broke")
+
+    monkeypatch.setattr(StepWork, "add_group", broken)
+    ctrl = Controller(build_runtime(build_specs(tiny(shared)), str(tmp_path)))
+    with pytest.raises(ValueError, match="the packer broke"):
+        # wait_for only guards the test; before the fix the loop waited here forever
+        asyncio.run(asyncio.wait_for(ctrl.run(), timeout=300))

@@ -73,3 +73,17 @@ def test_missing_config_file_and_unwritable_workdir_are_one_line(tmp_path):
     out = _launch("--config=experiments/smoke.py", f"--workdir={blocked}/run")
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("workdir error:")
+
+
+def test_an_unexpected_error_is_one_line_with_the_traceback_kept(tmp_path, monkeypatch):
+    import gyre.rl.experiment as experiment
+
+    def exploding(cfg, workdir):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(experiment, "smoke_test", exploding)
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(smoke.get_config(), str(tmp_path))
+    message = str(exit_info.value.code)
+    assert message.startswith("error: RuntimeError: boom (traceback in") and "\n" not in message
+    assert "second line" in (tmp_path / "error.txt").read_text()

@@ -68,6 +68,8 @@ class Controller:
         self.steps: dict[int, StepWork] = {}
         self.next_step = self.trainer.version  # one optimizer step per RL step
         self.wake = asyncio.Event()
+        self.failure: BaseException | None = None  # the first error of a background task
+        self._tasks: set[asyncio.Task] = set()
         self._rr = 0
 
     # ------------------------------------------------------------------ policy and roles
@@ -117,8 +119,21 @@ class Controller:
         self.steps[step] = work
         self.counters["dispatched"] += len(tasks) * run.samples_per_task
         for group, task in enumerate(tasks):
-            asyncio.create_task(self._run_group(work, task, group))
+            self._start(self._run_group(work, task, group))
         self.next_step = step + 1
+
+    def _start(self, coro) -> asyncio.Task:
+        """A background task whose error ends the run at once (never a silent hang)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()
+            self.wake.set()
 
     async def _run_group(self, work: StepWork, task, group: int) -> None:
         client = Notifying(self.proxy, self.wake.set)
@@ -187,10 +202,12 @@ class Controller:
         """Runs until run.steps optimizer steps exist, or a requested stop after a step;
         ``await on_step(record)`` after each step. -> whether every step ran."""
         self.wake = asyncio.Event()
-        pump = asyncio.create_task(self.proxy.run())
+        pump = self._start(self.proxy.run())
         steps = self.specs.run.steps
         try:
             while self.trainer.version < steps:
+                if self.failure is not None:
+                    raise self.failure
                 alloc = self.policy(self.snapshot(), self.specs.policy)
                 self.apply_roles(alloc.roles)
                 if alloc.dispatch and self.next_step < steps:
@@ -215,5 +232,6 @@ class Controller:
                 self.wake.clear()
                 await self.wake.wait()
         finally:
-            pump.cancel()
+            for task in [pump, *self._tasks]:
+                task.cancel()
         return True
