@@ -137,6 +137,14 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
     assert _losses(killed) == _losses(whole)
     # At ratio 1 a mean-centred loss is 0; the gradient is not (else this test is vacuous).
     assert any(g for _, _, g, _ in _losses(whole)), "zero gradients: nothing was learned"
+    # TensorBoard has the warm start's history and the evaluation before RL at step 0.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(whole / "tb"))
+    tb.Reload()
+    tags = set(tb.Tags()["scalars"])
+    assert {"warmstart/accuracy", "warmstart/nll", "eval_success", "success"} <= tags, tags
+    assert [e.step for e in tb.Scalars("eval_success")][0] == 0
     # The outputs cover the whole run, not only the part after the resume.
     a, b = (json.load(open(w / "summary.json")) for w in (whole, killed))
     for key in ("warm_start", "eval_start"):
