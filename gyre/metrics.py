@@ -58,6 +58,14 @@ class MetricsWriter:
             self._tb.close()
 
 
+def write_json(path: str, data) -> None:
+    """Writes ``data`` as JSON atomically: a kill mid-write leaves the previous file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, path)
+
+
 def read_metrics(workdir: str) -> list[dict]:
     """All rows of <workdir>/metrics.jsonl (for notebooks and tests)."""
     path = os.path.join(workdir, "metrics.jsonl")

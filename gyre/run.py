@@ -140,6 +140,7 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
         step = last_checkpoint(workdir)
         where = f"its checkpoint after step {step}" if step else "the start (no step finished)"
         sys.exit(f"interrupted: relaunch the same command to resume {workdir} from {where}")
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True, default=str)
+    from gyre.metrics import write_json
+
+    write_json(os.path.join(workdir, "summary.json"), summary)
     return summary

@@ -167,16 +167,17 @@ def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
             f"config key 'model.vocab_size' ({specs.model.vocab_size}) must equal the "
             f"{specs.env.name} vocabulary ({env.vocab_size})"
         )
-    graphdef, init = decoder.init_sharded(specs.model, specs.seed, cells[0], "train")
-    if specs.init_dir and params is None:
-        params = load_initial(specs, cells[0])
+    graphdef, _ = decoder.abstract_model(specs.model, specs.seed)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
     resumed = ckpt.latest_step() is not None
-    if resumed:
+    if resumed:  # the initial weights are never made: the checkpoint replaces them
         trainer, _ = Trainer.restore(specs.trainer, cells, graphdef, ckpt)
         log.info("resumed at version %d from %s", trainer.version, ckpt.directory)
     else:
-        trainer = Trainer(specs.trainer, cells, graphdef, init if params is None else params)
+        if params is None:
+            params = (load_initial(specs, cells[0]) if specs.init_dir
+                      else decoder.init_sharded(specs.model, specs.seed, cells[0], "train")[1])  # fmt: skip
+        trainer = Trainer(specs.trainer, cells, graphdef, params)
     engines = [Engine(specs.rollout, cell, trainer.params_for(cell, "rollout"), trainer.version)
                for cell in cells]  # fmt: skip
     proxy = Proxy(engines)

@@ -19,7 +19,7 @@ from gyre.agent.driver import run_scripted_harness
 from gyre.cache import cache_dir
 from gyre.envs.registry import make_env
 from gyre.errors import AlreadyFinished, Stopped
-from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics
+from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics, write_json
 from gyre.model.hf import save_hf
 from gyre.rl.builder import build_runtime, build_specs
 from gyre.rl.controller import Controller
@@ -84,13 +84,6 @@ def run_warm_start(rt, log=print, on_step=None) -> tuple[object, dict]:
     return params, info
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
-
-
 def _read_json(path: str) -> dict:
     if not os.path.exists(path):
         return {}
@@ -151,7 +144,7 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
     def save_summary() -> None:
         """The summary so far (a kill keeps what came before RL, and the time spent)."""
         wall = round(previous.get("wall_seconds", 0.0) + time.time() - t0, 1)
-        _write_json(rt.path("summary.json"), dict(summary, wall_seconds=wall, finished=False))
+        write_json(rt.path("summary.json"), dict(summary, wall_seconds=wall, finished=False))
 
     writer = MetricsWriter(workdir)
     with Heartbeat() as hb:

@@ -8,6 +8,7 @@ import os
 import time
 
 from gyre.elastic import workload
+from gyre.metrics import write_json
 from gyre.rollout.engine import common_prefix
 
 
@@ -130,10 +131,7 @@ class RoleTimeline:
 
     def save(self, path: str) -> None:
         """Writes timeline.json (atomically: a kill leaves the previous one)."""
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f)
-        os.replace(tmp, path)
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str, num_cells: int) -> RoleTimeline:
