@@ -15,8 +15,9 @@ from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
 from gyre.metrics import standard_error
 
-# Held-out task seeds start here; training draws its task seeds below 2**31 - 1 from
-# (seed, step), and evaluation seeds are offset from them by construction.
+# Held-out tasks come from the task seed HELD_OUT_BASE + seed; training draws one task seed per
+# step at random from (seed, step), so the two streams differ (a collision is possible in
+# principle, with probability ~steps / 2**31).
 HELD_OUT_BASE = 10**6
 
 
