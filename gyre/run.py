@@ -97,10 +97,13 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
         setup_devices(cfg)
         entry = resolve_entry(cfg.run.entry)
         from gyre import mesh
-        from gyre.rl.builder import build_specs
+        from gyre.rl import builder
 
-        # every part's own checks and the cell layout, before anything is written
-        mesh.cells_for(build_specs(cfg).mesh)
+        # every part's own checks, the cell layout and the environment, before anything is
+        # written
+        specs = builder.build_specs(cfg)
+        mesh.cells_for(specs.mesh)
+        builder.environment(specs, with_model=cfg.run.entry in ("rl", "sft"))
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     changes = config_changes(cfg, workdir)

@@ -3,7 +3,7 @@
 import ml_collections
 import pytest
 
-from gyre.config import ConfigError, default_config, validate
+from gyre.config import BOUNDS, ConfigError, default_config, validate
 from gyre.mesh import cells_for
 from gyre.rl.builder import build_specs
 
@@ -102,3 +102,55 @@ def test_every_choice_list_has_one_owner():
         cfg = default_config()
         cfg.env.name = name
         validate(cfg)
+
+
+def _numeric_leaves(cfg, prefix=""):
+    for key, value in cfg.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _numeric_leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+
+
+def test_every_numeric_key_has_bounds():
+    numeric = dict(_numeric_leaves(default_config()))
+    assert set(BOUNDS) == set(numeric), set(BOUNDS) ^ set(numeric)
+    for path, default in numeric.items():
+        assert default in BOUNDS[path], (path, default)
+
+
+def _outside(path, default):
+    """Values just outside the key's bound (and non-finite ones for float keys)."""
+    b, step = BOUNDS[path], 1 if isinstance(default, int) else 1e-3
+    out = [] if isinstance(default, int) else [float("nan"), float("inf")]
+    if b.lo is not None:
+        out.append(b.lo if b.lo_open else type(default)(b.lo - step))
+    if b.hi is not None:
+        out.append(b.hi if b.hi_open else type(default)(b.hi + step))
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(BOUNDS))
+def test_each_bound_rejects_values_outside_it_naming_the_key(path):
+    default = dict(_numeric_leaves(default_config()))[path]
+    values = _outside(path, default)
+    assert values, path
+    for value in values:
+        cfg = default_config()
+        section, _, key = path.rpartition(".")
+        (cfg[section] if section else cfg)[key] = value
+        with pytest.raises(ConfigError, match=f"'{path}'"):
+            validate(cfg)
+
+
+def test_odd_head_dim_and_env_vocabulary_mismatch_are_config_errors():
+    from gyre.rl.builder import environment
+
+    cfg = default_config()
+    cfg.model.head_dim = 15
+    with pytest.raises(ConfigError, match="model.head_dim"):
+        validate(cfg)
+    cfg = default_config()
+    cfg.model.vocab_size = 30
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        environment(build_specs(cfg))

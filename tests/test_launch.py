@@ -53,6 +53,9 @@ def _launch(*flags):
         ("--config=experiments/quickstart.py:colocat", "unknown quickstart variant 'colocat'"),
         ("--config.train.rows_per_microbatch=0", "train.rows_per_microbatch"),
         ("--config.trajectory.row_len=-128", "trajectory.row_len"),
+        ("--config.model.num_kv_heads=0", "model.num_kv_heads"),
+        # smoke's model (vocabulary 64) cannot serve the ledger (28): checked before writing
+        ("--config.run.entry=sft", "model.vocab_size"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_key(tmp_path, flag, needle):

@@ -156,17 +156,25 @@ def load_initial(specs: Specs, cell):
     return params
 
 
-def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
-    """Cells, environment, weights (``params``, a checkpoint in the workdir, or a fresh init
-    from the seed), trainer, one rollout engine per cell and the proxy over them."""
-    cells = mesh.cells_for(specs.mesh)
+def environment(specs: Specs, with_model: bool = True):
+    """The run's environment, checked against the model when one samples from it (run.py
+    calls it before writing anything, so a mismatch costs one line, not a half-made
+    workdir)."""
     env = make_env(specs.env)
-    if env.vocab_size != specs.model.vocab_size:
+    if with_model and env.vocab_size != specs.model.vocab_size:
         # A larger model vocabulary would sample ids the environment cannot read.
         raise ConfigError(
             f"config key 'model.vocab_size' ({specs.model.vocab_size}) must equal the "
             f"{specs.env.name} vocabulary ({env.vocab_size})"
         )
+    return env
+
+
+def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
+    """Cells, environment, weights (``params``, a checkpoint in the workdir, or a fresh init
+    from the seed), trainer, one rollout engine per cell and the proxy over them."""
+    cells = mesh.cells_for(specs.mesh)
+    env = environment(specs)
     graphdef, _ = decoder.abstract_model(specs.model, specs.seed)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
     resumed = ckpt.latest_step() is not None
