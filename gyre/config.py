@@ -104,6 +104,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.env.modulus = 10
     c.env.tool_latency = 0.0  # mean seconds; 0 = instant
     c.env.partial_scale = 0.5  # partial credit = scale * fraction of milestones
+    c.env.tool_timeout = 30.0  # seconds before a tool call counts as hung (retried as infra)
+    # Chaos testing: this share of tool calls crashes or hangs (gyre/envs/faults.py); the
+    # harness retries them as infrastructure errors, never as the policy's failures.
+    c.env.fault_rate = 0.0
 
     # What the experiment does; run.entry names the library function (see gyre/run.py).
     c.run = ml_collections.ConfigDict()
@@ -111,6 +115,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.run.steps = 2  # optimizer steps (one RL step each)
     c.run.tasks_per_step = 4
     c.run.samples_per_task = 4  # executions per task (a group for the advantages)
+    # Abort (one line, exit 3, thread stacks in <workdir>/error.txt) when nothing progresses
+    # (no model call, execution or micro-batch ends) for this long; 0 = off.
+    c.run.watchdog_s = 1800.0
 
     c.scheduler = ml_collections.ConfigDict()
     c.scheduler.policy = "elastic"  # colocate, async or elastic (gyre/elastic/policy.py)
@@ -196,8 +203,9 @@ BOUNDS: dict[str, Bound] = {
     "agent.max_retries": _ge(0), "agent.context_window": _ge(2), "agent.infra_retries": _ge(0),
     "agent.concurrency": _ge(1),
     "env.num_ops": _ge(1), "env.modulus": _ge(2), "env.tool_latency": _ge(0),
-    "env.partial_scale": UNIT,
+    "env.partial_scale": UNIT_OPEN_HI, "env.fault_rate": UNIT_OPEN_HI, "env.tool_timeout": _gt(0),
     "run.steps": _ge(1), "run.tasks_per_step": _ge(1), "run.samples_per_task": _ge(1),
+    "run.watchdog_s": _ge(0),
     "scheduler.max_staleness": _ge(0), "scheduler.async_rollout_cells": _ge(0),
     "scheduler.slack_cells": _ge(0), "scheduler.switch_cost_s": _ge(0),
     "eval.tasks": _ge(0), "eval.every": _ge(0), "eval.temperature": _ge(0),

@@ -2,7 +2,8 @@
 
 Each is the slow, obvious version of something the code does fast or implicitly: a dense
 visibility mask for the tree layout, the numpy PPO objective, the root-to-leaf sequences of a
-demonstration.
+demonstration, a per-token trie under the tree's merge rule, and flat per-path rows built
+from the records themselves.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from gyre.trajectory.pack import PackedBatch
+from gyre.trajectory.tree import SAME_LOGP_TOL
 
 
 def ancestors_from_leave(leave_T: np.ndarray) -> np.ndarray:
@@ -50,4 +52,113 @@ def demo_sequences(demo) -> list[tuple[np.ndarray, np.ndarray]]:
                 p = recs[k].prompt.size
                 mask[p : p + recs[k].completion.size] = demo.loss_masks[k]
         out.append((full[j].astype(np.int32), mask))
+    return out
+
+
+def token_trie(records) -> tuple[list[list], list[list[int]]]:
+    """Per-token trie under the tree's merge rule (see gyre.trajectory.tree), one dict entry
+    per token. Returns nodes [parent, token, generating call (-1: context), completion
+    offset] in creation order, and each call's root-to-end node ids.
+
+    A prompt follows its guide's nodes (the parent's, else the previous call's) while their
+    tokens agree, then the deepest chain of existing nodes that spells it (the oldest on
+    ties); a completion token joins the oldest same-token child that is context (claiming
+    it) or was generated with the same version and an isclose logprob, else a new node.
+    """
+    nodes, kids, paths = [], {}, []
+    index = {rec.call_id: i for i, rec in enumerate(records)}
+    seqs = [rec.tokens.tolist() for rec in records]
+
+    def deepest(seq, p, node, j):  # longest chain below node spelling seq[j:p], oldest first
+        best = []
+        for n in kids.get((node, seq[j]), []) if j < p else []:
+            chain = [n] + deepest(seq, p, n, j + 1)
+            best = chain if len(chain) > len(best) else best
+        return best
+
+    def same(n, rec, j):
+        g, o = nodes[n][2:]
+        if g < 0:
+            return True
+        a, b = float(rec.logprobs[j]), float(records[g].logprobs[o])
+        close = abs(a - b) <= SAME_LOGP_TOL * (1 + abs(b))
+        return close and rec.versions[j] == records[g].versions[o]
+
+    for i, rec in enumerate(records):
+        seq, p = seqs[i], rec.prompt.size
+        guide = index.get(rec.parent_id, i - 1)
+        guide = i - 1 if guide >= i else guide
+        path = []
+        if guide >= 0:
+            other = seqs[guide]
+            while len(path) < min(p, len(other)) and seq[len(path)] == other[len(path)]:
+                path.append(paths[guide][len(path)])
+        path += deepest(seq, p, path[-1] if path else -1, len(path))
+        for j in range(len(path), len(seq)):
+            node = path[-1] if path else -1
+            cands = kids.get((node, seq[j]), []) if j >= p else []
+            pick = next((n for n in cands if same(n, rec, j - p)), None)
+            if pick is None:
+                pick = len(nodes)
+                nodes.append([node, seq[j], i if j >= p else -1, j - p])
+                kids.setdefault((node, seq[j]), []).append(pick)
+            elif nodes[pick][2] < 0:
+                nodes[pick][2:] = [i, j - p]
+            path.append(pick)
+        paths.append(path)
+    return nodes, paths
+
+
+def path_behaviour(records) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per call, from the records: (trainable bool[L], logp float32[L], version int32[L]) of
+    its root-to-end tokens. Its completion carries its own record's values; a prompt token is
+    trainable with the values of the call that generated it there (as :func:`token_trie`
+    attributes it), read from that call's record."""
+    nodes, paths = token_trie(records)
+    out = []
+    for rec, path in zip(records, paths):
+        src = [nodes[n][2:] for n in path]
+        trainable = np.asarray([g >= 0 for g, _ in src])
+        logp = np.asarray([records[g].logprobs[o] if g >= 0 else 0 for g, o in src], np.float32)
+        version = np.asarray([records[g].versions[o] if g >= 0 else -1 for g, o in src], np.int32)
+        p = rec.prompt.size
+        trainable[p:], logp[p:], version[p:] = True, rec.logprobs, rec.versions
+        out.append((trainable, logp, version))
+    return out
+
+
+def flat_rows(executions, kept, coefs, advantages, row_len: int) -> dict:
+    """Training rows with one causal segment per kept path, built from the records alone.
+
+    executions[e]: call records; kept[e]: call indices whose root-to-end paths are trained;
+    coefs[e]: their c_p; advantages[e]: A. Paths are placed first-fit, in order.
+    """
+    segments = []  # (row, offset, tokens, trainable, logp, version, c, A)
+    used = []
+    for recs, calls, cs, a in zip(executions, kept, coefs, advantages):
+        behaviour = path_behaviour(recs)
+        for call, c in zip(calls, cs):
+            n = recs[call].tokens.size
+            r = next((r for r, u in enumerate(used) if u + n <= row_len), len(used))
+            used += [0] if r == len(used) else []
+            segments.append((r, used[r], recs[call].tokens, *behaviour[call], c, a))
+            used[r] += n
+    shape = (len(used), row_len)
+    out = {k: np.zeros(shape, np.float32) for k in ("old_logp", "adv_pos", "adv_neg", "w")}
+    out.update(
+        tokens=np.zeros(shape, np.int32),
+        pos=np.zeros(shape, np.int32),
+        leave=np.tile(np.arange(1, row_len + 1, dtype=np.int32), (len(used), 1)),
+        pred=np.full(shape, -1, np.int32),
+        versions=np.full(shape, -1, np.int32),
+    )
+    for r, o, tokens, trainable, logp, version, c, a in segments:
+        n = tokens.size
+        cols, w = slice(o, o + n), c * trainable
+        out["tokens"][r, cols], out["pos"][r, cols] = tokens, np.arange(n)
+        out["leave"][r, cols], out["pred"][r, cols] = o + n, np.arange(o - 1, o + n - 1)
+        out["pred"][r, o] = -1
+        out["old_logp"][r, cols], out["versions"][r, cols] = logp, version
+        out["w"][r, cols] = w
+        out["adv_pos"][r, cols], out["adv_neg"][r, cols] = w * max(a, 0), w * min(a, 0)
     return out

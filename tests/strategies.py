@@ -34,8 +34,12 @@ def branchy_execution(
     Actions per call: continue a conversation (prompt = its context + an observation),
     retry an earlier call from a random resume point, compact (a main-summary call may write
     the summary that the new main branch then holds as context), spawn a sub-agent (its own
-    root, or sharing the system prefix), or repeat a call exactly. Parent ids are sometimes
-    misleading (any earlier call) or missing, which must not change the trie.
+    root, or sharing the system prefix), or repeat a call's tokens. Half of the retries sample
+    the old call's next tokens again and half of the repeats copy its behaviour, each with
+    the same behaviour, another version or other logprobs (see ``behaviour``); the rest draw
+    logprobs and versions (0-2, per token) afresh. Parent ids are sometimes misleading (any
+    earlier call) or missing: where calls generated the same tokens under different
+    behaviours that may change which branch a prompt shares, never a value it trains with.
     """
     rng = np.random.default_rng(seed)
     reason = end_reason or str(rng.choice(["success", "failure", "timeout"]))
@@ -45,14 +49,19 @@ def branchy_execution(
     # conversation: [context tokens, role, last call id, summary role]
     convs = [[np.concatenate([system, task]), "main", None, "main-summary"]]
 
-    def add(prompt, role, parent, gen=None):
+    def add(prompt, role, parent, gen=None, like=None):
+        """A call; ``like=(logprobs, versions)`` gives the behaviour of its first tokens."""
         completion = _tokens(rng, vocab, 1, max_gen) if gen is None else gen
         n = completion.size
+        logprobs = -rng.exponential(1.0, n).astype(np.float32)
+        versions = rng.integers(0, 3, n).astype(np.int32)
+        if like is not None:
+            logprobs[: like[0].size], versions[: like[1].size] = like
         rec = make_record(
             prompt,
             completion,
-            logprobs=-rng.exponential(1.0, n).astype(np.float32),
-            versions=rng.integers(0, 3, n).astype(np.int32),
+            logprobs=logprobs,
+            versions=versions,
             role=role,
             execution_id=execution_id,
             call_id=len(records),
@@ -61,6 +70,17 @@ def branchy_execution(
         )
         records.append(rec)
         return rec
+
+    def behaviour(old, part):
+        """The behaviour of a retry that samples old's tokens ``part`` again: the same, or
+        served by other weights (version + 1), or the same version with other logprobs."""
+        lp, ver = old.logprobs[part].copy(), old.versions[part].copy()
+        kind = rng.integers(3)
+        if kind == 1:
+            ver += 1
+        elif kind == 2:
+            lp -= rng.uniform(0.01, 0.5, lp.size).astype(np.float32)
+        return lp, ver
 
     for _ in range(n_calls):
         action = rng.choice(
@@ -71,10 +91,18 @@ def branchy_execution(
             old = records[rng.integers(len(records))]
             cut = rng.integers(0, old.completion.size)
             prompt = np.concatenate([old.prompt, old.completion[:cut]])
-            rec = add(prompt, old.role, old.parent_id)
+            if rng.random() < 0.5:  # samples old's next tokens again, then its own
+                n = rng.integers(1, old.completion.size - cut + 1)
+                part = slice(cut, cut + n)
+                fresh = _tokens(rng, vocab, 0, max(max_gen - n, 0))
+                gen = np.concatenate([old.completion[part], fresh])
+                rec = add(prompt, old.role, old.parent_id, gen, behaviour(old, part))
+            else:
+                rec = add(prompt, old.role, old.parent_id)
         elif action == "repeat" and records:
             old = records[rng.integers(len(records))]
-            rec = add(old.prompt, old.role, old.parent_id, gen=old.completion.copy())
+            like = behaviour(old, slice(None)) if rng.random() < 0.5 else None
+            rec = add(old.prompt, old.role, old.parent_id, old.completion.copy(), like)
         elif action == "compact" and c[2] is not None:
             summary = _tokens(rng, vocab, 1, 3)
             if rng.random() < 0.5:  # the model writes the summary

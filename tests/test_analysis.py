@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import token_trie
 from strategies import executions
 
 from gyre import analysis
@@ -97,12 +98,10 @@ def test_rollout_busy_fraction_by_hand():
 
 
 def _prefixes(records):
-    """Every distinct token prefix of the execution (the trie's nodes), brute force."""
-    out = set()
-    for rec in records:
-        seq = rec.tokens.tolist()
-        out.update(tuple(seq[: j + 1]) for j in range(len(seq)))
-    return out
+    """Every node of the execution's trie as its chain of node ids from the root, brute force
+    (oracles.token_trie: a node per distinct prefix and behaviour of its generated tokens)."""
+    _, paths = token_trie(records)
+    return {tuple(path[: j + 1]) for path in paths for j in range(len(path))}
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,8 +1,13 @@
 """The central test: tree-packed loss and gradient equal the flattened per-path reference.
 
 Two sources of batches: a hand-built trie packer here (independent of gyre.trajectory, so a
-packer bug cannot hide in both sides) and, when present, gyre.trajectory.pack with its
-``flatten`` reference on hypothesis-generated branchy executions with forced row splits.
+packer bug cannot hide in both sides) and gyre.trajectory's tree packing of branchy
+executions (with forced row splits) against ``oracles.flat_rows``, which builds every path
+from the records themselves. There the behaviour logprob of a token is the model's current
+logprob of it plus noise drawn per (prefix, version), so retries served by other weights
+carry other logprobs, and the trainer's version makes older tokens stale (importance
+weighted by their behaviour logprobs): a token trained with another call's logprob or
+version changes the loss.
 """
 
 import dataclasses
@@ -13,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import flat_rows, path_behaviour
 from strategies import branchy_execution
 
 from gyre.config import default_config
@@ -21,7 +27,11 @@ from gyre.model import decoder
 from gyre.rl.builder import build_specs
 from gyre.train import loss as tloss
 from gyre.train.step import Microbatch, Trainer, split_microbatches
+from gyre.trajectory.advantages import path_coefficients
 from gyre.trajectory.batch import ExecutionResult, build_batch
+from gyre.trajectory.records import make_record
+from gyre.trajectory.select import select_paths
+from gyre.trajectory.tree import build_tree
 
 ROW = 128
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -33,6 +43,7 @@ def tiny_specs():
                      head_dim=16, d_ff=64, attn_block=32)  # fmt: skip
     cfg.trajectory.row_len = ROW
     cfg.train.rows_per_microbatch = 4
+    cfg.train.tis_cap = 2.0  # stale tokens (version < the trainer's) are importance weighted
     return build_specs(cfg)
 
 
@@ -217,24 +228,91 @@ def test_microbatch_gradients_summed_over_cells_equal_single_batch(setup):
     np.testing.assert_allclose(loss, float(whole.metrics["loss"]), rtol=1e-5)
 
 
-def _execution_batches(specs, seed, n_calls):
-    """Three executions of one task (mixed-sign advantages) packed as tree and as flat."""
-    results = [
-        ExecutionResult(
-            branchy_execution(seed + i, n_calls=n_calls, vocab=16, max_obs=6, max_gen=8,
-                              execution_id=f"e{i}"),
-            "t0",
-            score=i / 3,
-        )
+STALE_VERSION = 2  # the trainer's version in the record-based checks: versions 0, 1 are stale
+
+
+def with_model_behaviour(setup, execs, seed, own=1 / 3):
+    """The executions with each completion logprob = the model's current logprob of the token
+    + noise drawn once per (prefix, version), or per call for a share ``own`` of the calls
+    (a nondeterministic server): retries with one behaviour merge, the others branch."""
+    graphdef, params = setup[2], setup[3]
+    recs = [rec for records in execs for rec in records]
+    current = {}  # prefix -> current logprob of its last token
+    for start in range(0, len(recs), 16):
+        rows = _empty(16)
+        for r, rec in enumerate(recs[start : start + 16]):
+            n = rec.tokens.size
+            rows["tokens"][r, :n], rows["pos"][r, :n] = rec.tokens, np.arange(n)
+            rows["leave"][r, :n], rows["pred"][r, :n] = n, np.arange(-1, n - 1)
+        logp = model_logp(graphdef, params, rows)
+        for r, rec in enumerate(recs[start : start + 16]):
+            seq = tuple(rec.tokens.tolist())
+            for j in range(rec.prompt.size, len(seq)):
+                current.setdefault(seq[: j + 1], float(logp[r, j]))
+    rng, noise = np.random.default_rng(seed), {}
+    out = []
+    for records in execs:
+        out.append([])
+        for i, rec in enumerate(records):
+            seq, p = tuple(rec.tokens.tolist()), rec.prompt.size
+            salt = i if rng.random() < own else -1
+            logp = []
+            for j, v in enumerate(rec.versions.tolist()):
+                key = (seq[: p + j + 1], v, salt)
+                noise.setdefault(key, rng.normal(0, 0.4))
+                logp.append(min(current[key[0]] + noise[key], 0.0))
+            out[-1].append(dataclasses.replace(rec, logprobs=np.asarray(logp, np.float32)))
+    return out
+
+
+def record_batches(setup, execs):
+    """Tree-packed batch (gyre.trajectory) and record-built flat rows of executions of one
+    task (mixed-sign advantages), each padded to 16 rows, or None if either needs more."""
+    spec = dataclasses.replace(setup[0].trajectory, packing="tree")
+    results = [ExecutionResult(recs, "t0", score=i / 3) for i, recs in enumerate(execs)]
+    tree, report = build_batch(results, spec, buckets=(16,))
+    assert not report.rejected, report.rejected
+    kept = [select_paths(build_tree(recs), spec.max_paths).kept for recs in execs]
+    lens = [
+        np.asarray([path_behaviour(recs)[c][0].sum() for c in cs]) for recs, cs in zip(execs, kept)
+    ]
+    coefs = path_coefficients(lens, spec.loss_mode)
+    flat = flat_rows(execs, kept, coefs, report.advantages, ROW)
+    if tree.tokens.shape != (16, ROW) or flat["tokens"].shape[0] > 16:
+        return None  # a rare oversize batch would only cost a second compile
+    return tree, _pad_rows(flat, 16)
+
+
+def branchy(setup, seed, n_calls):
+    execs = [
+        branchy_execution(seed + i, n_calls=n_calls, vocab=16, max_obs=6, max_gen=8,
+                          execution_id=f"e{i}")
         for i in range(3)
     ]  # fmt: skip
-    out = []
-    for mode in ("tree", "flat"):
-        spec = dataclasses.replace(specs.trajectory, packing=mode)
-        batch, report = build_batch(results, spec, buckets=(16,))
-        assert not report.rejected, report.rejected
-        out.append(batch)
-    return out
+    return with_model_behaviour(setup, execs, seed)
+
+
+@pytest.fixture(scope="module")
+def stale_trainer(setup):
+    specs, cells, graphdef, params, _ = setup
+    return Trainer(specs.trainer, cells, graphdef, params, version=STALE_VERSION)
+
+
+def check_record_equivalence(setup, trainer, execs):
+    """Loss, metrics and gradient of the tree-packed batch == those of the record-built rows."""
+    batches = record_batches(setup, execs)
+    if batches is None:
+        return
+    tree, flat = batches
+    cell = setup[1][0]
+    gt = trainer.compute_grads(cell, split_microbatches(tree, 16)[0])
+    gf = trainer.compute_grads(cell, Microbatch(flat, ["e"]))
+    mt, mf = jax.device_get(gt.metrics), jax.device_get(gf.metrics)
+    assert 0 < mt["stale_frac"] < mt["w_sum"]  # stale and fresh tokens
+    np.testing.assert_allclose(mt["loss"], mf["loss"], rtol=1e-5, atol=1e-7)
+    for key in ("w_sum", "stale_frac", "version_lag", "approx_kl"):
+        np.testing.assert_allclose(mt[key], mf[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert_same_grads(gt.grads, gf.grads)
 
 
 def _rows_per_execution(batch):
@@ -243,40 +321,54 @@ def _rows_per_execution(batch):
 
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(st.integers(0, 10_000), st.integers(14, 28))
-def test_pack_equals_flatten_on_branchy_executions(setup, seed, n_calls):
-    """gyre.trajectory pack vs its flatten reference; rows of 128 force splits of big trees."""
-    check_pack_equivalence(setup, seed, n_calls)
+def test_pack_equals_records_on_branchy_executions(setup, stale_trainer, seed, n_calls):
+    """Tree packing vs the record-built flat rows; rows of 128 force splits of big trees."""
+    check_record_equivalence(setup, stale_trainer, branchy(setup, seed, n_calls))
 
 
-def check_pack_equivalence(setup, seed, n_calls):
-    specs, cells, graphdef, params, trainer = setup
-    tree, flat = _execution_batches(specs, seed, n_calls)
-    if tree.tokens.shape != (16, ROW) or flat.tokens.shape != (16, ROW):
-        return  # a rare oversize batch would only cost a second compile
-    # old_logp per tree node: the current logp plus node-keyed noise (both sides agree)
-    logp_tree = model_logp(graphdef, params, tree._asdict())
-    logp_flat = model_logp(graphdef, params, flat._asdict())
-    rng = np.random.default_rng(seed)
-    noise = {}
-    for b, lp in ((tree, logp_tree), (flat, logp_flat)):
-        old = np.zeros_like(b.old_logp)
-        for idx in zip(*np.nonzero(b.w > 0)):
-            key = (int(b.exec_index[idx]), int(b.node_index[idx]))
-            if key not in noise:
-                noise[key] = (lp[idx], rng.normal(0, 0.4))
-            np.testing.assert_allclose(lp[idx], noise[key][0], rtol=1e-5, atol=1e-5)
-            old[idx] = sum(noise[key])
-        b.old_logp[...] = old
-    gt = trainer.compute_grads(cells[0], split_microbatches(tree, 16)[0])
-    gf = trainer.compute_grads(cells[0], split_microbatches(flat, 16)[0])
-    mt, mf = jax.device_get(gt.metrics), jax.device_get(gf.metrics)
-    np.testing.assert_allclose(mt["loss"], mf["loss"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(mt["w_sum"], mf["w_sum"], rtol=1e-5)
-    assert_same_grads(gt.grads, gf.grads)
-
-
-def test_row_splits_are_exercised(setup):
+def test_row_splits_are_exercised(setup, stale_trainer):
     """A case whose trees are split over several rows, checked for equivalence too."""
-    tree, _ = _execution_batches(setup[0], 7, 24)
+    execs = branchy(setup, 4, 24)
+    tree, _ = record_batches(setup, execs)
     assert max(_rows_per_execution(tree)) > 1
-    check_pack_equivalence(setup, 7, 24)
+    check_record_equivalence(setup, stale_trainer, execs)
+
+
+def test_retries_served_by_other_weights_train_their_own_behaviour(setup, stale_trainer):
+    """Agent-shaped executions whose retries sample four tokens of the call they retry again,
+    then their own, each followed by a continuation: served by the same weights (merged) or
+    newer ones (branched); in the third execution every call has logprobs of its own (the
+    same version, other logprobs: branched)."""
+    rng = np.random.default_rng(5)
+    execs = []
+    for e in range(3):
+        kw = dict(role="main", execution_id=f"r{e}", end_reason="failure")
+        prompt, first = rng.integers(0, 32, 12), rng.integers(0, 32, 10)
+        recs = [make_record(prompt, first, versions=np.zeros(10), call_id=0, **kw)]
+        for v, resume in ((0, 2), (1, 3), (2, 0), (1, 3)):  # version, resume point
+            gen = np.concatenate([first[resume : resume + 4], rng.integers(0, 32, 6)])
+            ctx = np.concatenate([prompt, first[:resume]])
+            recs.append(make_record(ctx, gen, versions=np.full(10, v), call_id=len(recs),
+                                    parent_id=0, **kw))  # fmt: skip
+            obs = rng.integers(0, 32, 5)
+            recs.append(make_record(np.concatenate([ctx, gen, obs]), rng.integers(0, 32, 7),
+                                    versions=np.full(7, 2), call_id=len(recs),
+                                    parent_id=len(recs) - 1, **kw))  # fmt: skip
+        execs.append(recs)
+    execs = with_model_behaviour(setup, execs[:2], 11, own=0) + with_model_behaviour(
+        setup, execs[2:], 12, own=1
+    )
+    for e, recs in enumerate(execs):
+        tree = build_tree(recs)
+        path = [tree.path_nodes(c) for c in range(len(recs))]
+        for c, rec in enumerate(recs):
+            own = path[c][rec.prompt.size :]
+            np.testing.assert_allclose(tree.logp[own], rec.logprobs, rtol=1e-6, atol=1e-6)
+            assert np.array_equal(tree.version[own], rec.versions)
+            if c % 2 == 0 and c:  # a continuation trains its retry's nodes
+                assert np.array_equal(path[c][: path[c - 1].size], path[c - 1])
+        merged = e < 2  # the v0 retry of call 0's tokens 2..5
+        assert np.array_equal(path[1][14:18], path[0][14:18]) == merged
+        assert path[3][15] != path[0][15] and path[5][12] != path[0][12]  # v1, v2: branched
+        assert np.array_equal(path[7][15:19], path[3][15:19]) == merged  # the two v1 retries
+    check_record_equivalence(setup, stale_trainer, execs)

@@ -1,70 +1,77 @@
-"""The radix trie against a per-token dictionary trie built from the same records."""
+"""The radix trie against a per-token trie built from the same records (oracles.token_trie)."""
+
+import dataclasses
 
 import numpy as np
 from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracles import token_trie
 from strategies import branchy_execution, executions
 
 from gyre.trajectory.records import make_record
 from gyre.trajectory.tree import build_tree
 
-
-def reference_trie(records):
-    """{prefix tuple: (trainable, logp, version)} with the first generating call winning."""
-    nodes = {}
-    for rec in records:
-        seq = np.concatenate([rec.prompt, rec.completion]).tolist()
-        p = rec.prompt.size
-        for j in range(len(seq)):
-            key = tuple(seq[: j + 1])
-            info = nodes.setdefault(key, [False, 0.0, -1])
-            if j >= p and not info[0]:
-                info[:] = [True, float(rec.logprobs[j - p]), int(rec.versions[j - p])]
-    return nodes
+KW = dict(role="main", execution_id="x")
 
 
-def node_prefixes(tree):
-    prefixes = []
-    for i in range(tree.num_nodes):
-        par = int(tree.parent[i])
-        assert par < i, "parents are created before their children"
-        prefixes.append((prefixes[par] if par >= 0 else ()) + (int(tree.tokens[i]),))
-    return prefixes
-
-
-@settings(max_examples=50, deadline=None)
-@given(executions(max_calls=12))
-def test_tree_matches_dictionary_trie(records):
+def check_against_token_trie(records):
     tree = build_tree(records)
-    ref = reference_trie(records)
-    prefixes = node_prefixes(tree)
-    assert len(set(prefixes)) == len(prefixes) == len(ref)  # one node per distinct prefix
-    for i, key in enumerate(prefixes):
-        trainable, logp, version = ref[key]
-        assert tree.depth[i] == len(key) - 1
-        assert tree.trainable[i] == trainable
-        assert tree.version[i] == version
-        assert tree.logp[i] == np.float32(logp)
-    seqs = [tuple(np.concatenate([r.prompt, r.completion]).tolist()) for r in records]
-    for c, seq in enumerate(seqs):
-        nodes = tree.path_nodes(c)
-        assert tuple(tree.tokens[nodes].tolist()) == seq
-        assert prefixes[tree.call_end[c]] == seq
-        assert tree.path_trainable(c) == int(tree.trainable[nodes].sum())
-        assert np.array_equal(tree.parent[nodes[1:]], nodes[:-1]) and tree.parent[nodes[0]] == -1
-    # leaves: sequences that no other sequence extends, owned by their first call
-    expect = []
-    for c, seq in enumerate(seqs):
-        extended = any(len(o) > len(seq) and o[: len(seq)] == seq for o in seqs)
-        if not extended and seq not in seqs[:c]:
-            expect.append(c)
+    nodes, paths = token_trie(records)
+    to_ref = {}  # tree node -> reference node, through every call's path
+    for c, path in enumerate(paths):
+        tn = tree.path_nodes(c)
+        assert len(tn) == len(path)
+        for a, b in zip(tn.tolist(), path):
+            assert to_ref.setdefault(a, b) == b
+    assert len(to_ref) == tree.num_nodes == len(nodes) == len(set(to_ref.values()))
+    for i, ref in to_ref.items():
+        parent, token, gen, off = nodes[ref]
+        assert tree.tokens[i] == token and tree.trainable[i] == (gen >= 0)
+        par = int(tree.parent[i])
+        assert (par == -1 and parent == -1) or to_ref[par] == parent
+        assert par < i, "parents are created before their children"
+        assert tree.depth[i] == (tree.depth[par] + 1 if par >= 0 else 0)
+        version = int(records[gen].versions[off]) if gen >= 0 else -1
+        logp = records[gen].logprobs[off] if gen >= 0 else np.float32(0)
+        assert tree.version[i] == version and tree.logp[i] == logp
+    for c, rec in enumerate(records):
+        nodes_c = tree.path_nodes(c)
+        assert np.array_equal(tree.tokens[nodes_c], rec.tokens)
+        assert tree.path_trainable(c) == int(tree.trainable[nodes_c].sum())
+        assert np.array_equal(tree.parent[nodes_c[1:]], nodes_c[:-1])
+        assert tree.parent[nodes_c[0]] == -1
+        own = nodes_c[rec.prompt.size :]  # a call's own tokens train with its own behaviour
+        assert np.array_equal(tree.version[own], rec.versions)
+        np.testing.assert_allclose(tree.logp[own], rec.logprobs, rtol=1e-6, atol=1e-6)
+    # leaves: end nodes without children, owned by the first call ending there
+    has_child = {parent for parent, *_ in nodes}
+    ends = [path[-1] for path in paths]
+    expect = [c for c, e in enumerate(ends) if e not in has_child and e not in ends[:c]]
     assert tree.leaf_calls.tolist() == expect
+    return tree
+
+
+@settings(max_examples=80, deadline=None)
+@given(executions(max_calls=12))
+def test_tree_matches_token_trie(records):
+    check_against_token_trie(records)
+
+
+@settings(max_examples=150, deadline=None)
+@given(executions(max_calls=12), st.integers(0, 2**31 - 1))
+def test_tree_matches_token_trie_with_any_parent_ids(records, seed):
+    """Parent ids guide prompts among same-token branches: missing, earlier or later ones
+    (a later one falls back to the previous call) leave the deepest-match search more to do."""
+    rng = np.random.default_rng(seed)
+    ids = [None, *(rec.call_id for rec in records)]
+    records = [dataclasses.replace(rec, parent_id=rng.choice(ids)) for rec in records]
+    check_against_token_trie(records)
 
 
 def test_retry_shares_prefix_up_to_resume_point():
-    kw = dict(role="main", execution_id="x")
     recs = [
-        make_record([1, 2], [3, 4, 5], call_id=0, **kw),
-        make_record([1, 2, 3], [6, 7], call_id=1, parent_id=0, **kw),  # resumed after token 3
+        make_record([1, 2], [3, 4, 5], call_id=0, **KW),
+        make_record([1, 2, 3], [6, 7], call_id=1, parent_id=0, **KW),  # resumed after token 3
     ]
     tree = build_tree(recs)
     assert tree.num_nodes == 7  # 1 2 3 then branches 4 5 | 6 7
@@ -76,10 +83,9 @@ def test_retry_shares_prefix_up_to_resume_point():
 
 
 def test_completion_landing_on_context_becomes_trainable():
-    kw = dict(role="main", execution_id="x")
     recs = [
-        make_record([1, 2, 3], [4], call_id=0, **kw),
-        make_record([1], [2, 3], logprobs=[-0.5, -0.25], versions=[7, 8], call_id=1, **kw),
+        make_record([1, 2, 3], [4], call_id=0, **KW),
+        make_record([1], [2, 3], logprobs=[-0.5, -0.25], versions=[7, 8], call_id=1, **KW),
     ]
     tree = build_tree(recs)
     nodes = tree.path_nodes(0)
@@ -87,6 +93,71 @@ def test_completion_landing_on_context_becomes_trainable():
     assert tree.logp[nodes[1:3]].tolist() == [-0.5, -0.25]
     assert tree.version[nodes].tolist() == [-1, 7, 8, 0]
     assert tree.leaf_calls.tolist() == [0]  # call 1 ends inside call 0's path
+
+
+def two_calls(second_logprobs, second_versions):
+    """A call and its retry, both generating [7, 8] first (then 9 | 5)."""
+    return [
+        make_record([1, 2], [7, 8, 9], [-0.1, -0.2, -0.3], [0, 0, 0], call_id=0, **KW),
+        make_record([1, 2], [7, 8, 5], second_logprobs, second_versions, call_id=1, **KW),
+    ]
+
+
+def assert_trains_own_behaviour(tree, recs):
+    for c, rec in enumerate(recs):
+        own = tree.path_nodes(c)[rec.prompt.size :]
+        assert tree.trainable[own].all()
+        assert tree.logp[own].tolist() == rec.logprobs.tolist()
+        assert tree.version[own].tolist() == rec.versions.tolist()
+
+
+def test_retry_served_by_newer_weights_branches_at_its_first_token():
+    recs = two_calls([-0.1, -0.2, -0.4], [1, 1, 1])
+    tree = check_against_token_trie(recs)
+    a, b = tree.path_nodes(0), tree.path_nodes(1)
+    assert a[:2].tolist() == b[:2].tolist() and a[2] != b[2]  # only the prompt is shared
+    assert tree.num_nodes == 8 and tree.tokens[b[2]] == 7
+    assert_trains_own_behaviour(tree, recs)
+    assert tree.leaf_calls.tolist() == [0, 1]
+
+
+def test_retry_with_other_logprobs_branches():
+    recs = two_calls([-0.1, -0.7, -0.4], [0, 0, 0])  # same version, 8 sampled otherwise
+    tree = check_against_token_trie(recs)
+    a, b = tree.path_nodes(0), tree.path_nodes(1)
+    assert a[:3].tolist() == b[:3].tolist() and a[3] != b[3]  # 7 shared, 8 not
+    assert tree.num_nodes == 7
+    assert_trains_own_behaviour(tree, recs)
+
+
+def test_retry_with_the_same_behaviour_merges():
+    recs = two_calls([-0.1, -0.2 + 1e-7, -0.4], [0, 0, 1])  # within the tolerance
+    tree = check_against_token_trie(recs)
+    a, b = tree.path_nodes(0), tree.path_nodes(1)
+    assert a[:4].tolist() == b[:4].tolist() and a[4] != b[4]  # 1 2 7 8 shared, then 9 | 5
+    assert tree.num_nodes == 6 and tree.path_trainable(1) == 3
+    assert tree.logp[b[3]] == np.float32(-0.2)  # the first generator's value, within 1e-6
+
+
+def test_prompt_follows_its_guide_then_the_deepest_branch():
+    """Where calls generated the same tokens under different behaviours, a prompt holding
+    them follows the call it continues (its parent), then the branch matching it furthest."""
+    recs = two_calls([-0.1, -0.2, -0.4], [1, 1, 1]) + [
+        make_record([1, 2], [0], call_id=2, **KW),  # shares only the prompt
+        make_record([1, 2, 7, 8, 5, 3], [4], call_id=3, parent_id=1, **KW),  # the retry's
+        make_record([1, 2, 7, 8, 5, 6], [4], call_id=4, parent_id=2, **KW),  # deepest: retry's
+        make_record([1, 2, 7, 8, 6], [4], call_id=5, parent_id=2, **KW),  # a tie: the oldest
+        make_record([1, 2, 7, 8, 5, 3], [4], call_id=6, parent_id=0, **KW),  # a wrong parent
+    ]
+    tree = check_against_token_trie(recs)
+    path = [tree.path_nodes(c).tolist() for c in range(len(recs))]
+    assert path[3][:5] == path[1] and path[4][:5] == path[1]
+    assert tree.version[path[3]].tolist() == [-1, -1, 1, 1, 1, -1, 0]
+    assert path[5][:4] == path[0][:4]
+    # a wrong parent costs sharing, never a value: 7 8 as call 0 generated them, 5 context
+    assert path[6][:4] == path[0][:4]
+    assert tree.version[path[6]].tolist() == [-1, -1, 0, 0, -1, -1, 0]
+    assert tree.leaf_calls.tolist() == [0, 2, 3, 4, 5, 6]
 
 
 def test_long_chain_has_no_per_token_objects():

@@ -81,7 +81,9 @@ def test_only_what_the_warm_start_uses_is_in_its_key():
     base = fingerprint(recipe(tiny()))
     for path, value in [("trajectory.reward", "binary"), ("trajectory.packing", "flat"),
                         ("train.clip_low", 0.1), ("train.lr", 3e-4), ("trajectory.max_paths", 1),
-                        ("run.steps", 9), ("scheduler.policy", "colocate")]:  # fmt: skip
+                        ("run.steps", 9), ("scheduler.policy", "colocate"),
+                        ("env.fault_rate", 0.1), ("env.tool_timeout", 2.0),
+                        ("run.watchdog_s", 5.0)]:  # fmt: skip
         cfg = tiny()
         section, key = path.split(".")
         cfg[section][key] = value

@@ -34,6 +34,9 @@ class Call:
     role: str = "main"
 
 
+_CALL_KEYS = {f.name for f in dataclasses.fields(Call)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Execution:
     execution_id: str
@@ -143,29 +146,91 @@ def to_json(ex: Execution) -> str:
     return json.dumps(d, separators=(",", ":"))
 
 
-def from_json(line: str) -> Execution:
-    d = json.loads(line)
+_REQUIRED = object()
+_BIG = 2**53  # beyond any count or time, and exact as a float (1e400 would overflow float())
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(d: dict, key: str, lo: int, default=_REQUIRED) -> int:
+    """An integer field in [lo, 2^53]; bools and floats (3.0 included) are not integers here."""
+    v = d.get(key, default)
+    if v is _REQUIRED:
+        raise ValueError(f"lacks {key!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= _BIG:
+        raise ValueError(f"{key} must be an integer in [{lo}, 2^53], got {_show(v)}")
+    return v
+
+
+def _num(d: dict, key: str, lo: float, default=_REQUIRED) -> float:
+    """A number in [lo, 2^53]: json reads 1e999 as inf, and NaN fails the comparison."""
+    v = d.get(key, default)
+    if v is _REQUIRED:
+        raise ValueError(f"lacks {key!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= _BIG:
+        raise ValueError(f"{key} must be a finite number >= {lo:g}, got {_show(v)}")
+    return float(v)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not a number (counts and times must be finite)")
+
+
+def _call(i: int, c) -> Call:
+    if not isinstance(c, dict):
+        raise ValueError(f"call {i} is not an object")
+    if set(c) - _CALL_KEYS:
+        raise ValueError(f"call {i} has unknown keys {sorted(set(c) - _CALL_KEYS)}")
+    role = c.get("role", "main")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ValueError(f"call {i} role {_show(role)} is not one of {ROLES}")
     try:
-        calls = tuple(Call(**c) for c in d["calls"])
-        for c in calls:
-            if c.role not in ROLES:
-                raise ValueError(f"call role {c.role!r} is not one of {ROLES}")
-            if (
-                c.completion_tokens < 1
-                or c.new_prompt_tokens > c.prompt_tokens
-                or c.tool_latency_s < 0
-            ):
-                raise ValueError(f"call {c} has impossible token counts or latency")
-        return Execution(
-            d["execution_id"],
-            int(d["step"]),
-            calls,
-            float(d["timeout_s"]),
-            int(d.get("group", 0)),
-            d.get("measured"),
-        )
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"trace line is not an execution record ({e!r}): {line[:80]}") from e
+        call = Call(_int(c, "prompt_tokens", 0), _int(c, "completion_tokens", 1),
+                    _num(c, "tool_latency_s", 0.0), _int(c, "new_prompt_tokens", 0), role)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"call {i}: {e}") from None
+    if call.new_prompt_tokens > call.prompt_tokens:
+        raise ValueError(f"call {i} has more new prompt tokens than prompt tokens")
+    return call
+
+
+def from_json(line: str) -> Execution:
+    """One trace line -> Execution; anything else is a one-line ValueError naming the field.
+
+    The fields read nest 3 deep (line > calls > call; ``measured`` is flat); a line nested
+    past json's recursion limit (e.g. 100k '[') is refused here, not a RecursionError.
+    """
+    try:
+        d = json.loads(line, parse_constant=_no_constants)
+    except RecursionError:
+        raise ValueError("nesting is too deep for a trace line") from None
+    except ValueError as e:  # JSONDecodeError included
+        raise ValueError(f"not a JSON trace line ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"trace line is a {type(d).__name__}, not an object")
+    eid = d.get("execution_id")
+    if not isinstance(eid, str) or not eid:
+        raise ValueError(f"execution_id must be a non-empty string, got {_show(eid)}")
+    calls = d.get("calls")
+    if not isinstance(calls, list) or not calls:
+        raise ValueError("calls must be a non-empty list")
+    measured = d.get("measured")
+    if measured is not None:
+        if not isinstance(measured, dict) or any(
+            isinstance(v, dict | list) for v in measured.values()
+        ):
+            raise ValueError("measured must be a flat object")
+        for key in ("start_s", "end_s"):  # what the analysis subtracts
+            if key in measured:
+                _num(measured, key, -_BIG)
+    timeout = _num(d, "timeout_s", 0.0)
+    if timeout == 0:
+        raise ValueError("timeout_s must be > 0")
+    return Execution(eid, _int(d, "step", 0), tuple(_call(i, c) for i, c in enumerate(calls)),
+                     timeout, _int(d, "group", 0, default=0), measured)  # fmt: skip
 
 
 def write_trace(path: str, steps: list[list[Execution]]) -> None:
@@ -176,16 +241,27 @@ def write_trace(path: str, steps: list[list[Execution]]) -> None:
 
 
 def read_trace(path: str) -> list[list[Execution]]:
-    """Executions grouped by their ``step`` field, in step order (steps must be 0..S-1)."""
+    """Executions grouped by their ``step`` field, in step order (steps must be 0..S-1).
+
+    A bad line is a ValueError naming the file and line; execution ids are unique per file
+    (the simulator keys its outcomes by them).
+    """
     by_step: dict[int, list[Execution]] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    ex = from_json(line)
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: {e}") from e
-                by_step.setdefault(ex.step, []).append(ex)
+    first_line: dict[str, int] = {}
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode()
+                if not line.strip():
+                    continue
+                ex = from_json(line)
+            except ValueError as e:  # UnicodeDecodeError included
+                raise ValueError(f"{path}:{n}: {e}") from None
+            if ex.execution_id in first_line:
+                raise ValueError(f"{path}:{n}: execution id {_show(ex.execution_id)} repeats "
+                                 f"line {first_line[ex.execution_id]}")  # fmt: skip
+            first_line[ex.execution_id] = n
+            by_step.setdefault(ex.step, []).append(ex)
     if sorted(by_step) != list(range(len(by_step))):
         raise ValueError(f"{path}: steps must be 0..S-1, got {sorted(by_step)}")
     return [by_step[s] for s in range(len(by_step))]

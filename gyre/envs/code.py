@@ -7,7 +7,8 @@ Observations are short texts ("[wrote 42 bytes]", "[tests 3/5 passed: ...]"). Ea
 is a milestone; the judge counts the best single run (passing different tests with different
 versions of the file does not add up). More than ``max_runs`` test runs end in failure.
 Sandbox failures caused by the code (timeout, memory, load errors) are observations; a sandbox
-that cannot start raises, which the harness treats as an infrastructure error.
+that cannot start raises, which the harness treats as an infrastructure error. Where the OS
+sandbox (bubblewrap) cannot run at all, constructing CodeEnv raises SandboxUnavailable.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from gyre.envs.base import Environment, StepResult, Task, ToolCall
-from gyre.envs.sandbox import SandboxLimits, SandboxResult, run_tests
+from gyre.envs.sandbox import SandboxLimits, SandboxResult, require_isolation, run_tests
 from gyre.envs.vocab import ByteVocab as B
 
 PROBLEMS = {
@@ -58,6 +59,7 @@ class CodeEnv(Environment):
 
     def __init__(self, limits: SandboxLimits | None = None, max_runs: int = 8,
                  max_file_bytes: int = 4096, tool_timeout: float = 30.0):  # fmt: skip
+        require_isolation()  # never run untrusted code unconfined: refuse to start instead
         self.limits = limits or SandboxLimits()
         self.max_runs, self.max_file_bytes = max_runs, max_file_bytes
         self.tool_timeout = tool_timeout

@@ -12,6 +12,7 @@ import dataclasses
 
 from gyre.envs.base import Environment
 from gyre.envs.code import CodeEnv
+from gyre.envs.faults import FaultyTools
 from gyre.envs.ledger import LedgerEnv
 
 
@@ -25,17 +26,20 @@ class EnvSpec:
     modulus: int = 10  # ledger: arithmetic modulus
     tool_latency: float = 0.0  # mean seconds a tool call takes; 0 = instant
     max_wrong: int = 2
+    tool_timeout: float = 30.0  # seconds before a tool call counts as hung
+    fault_rate: float = 0.0  # share of tool calls that crash or hang (gyre/envs/faults.py)
+    seed: int = 0  # keys the injected faults
 
 
 def _ledger(spec: EnvSpec) -> LedgerEnv:
     # The whole chain is listed when K <= 16, else a 16-step window.
     return LedgerEnv(num_ops=spec.num_ops, modulus=spec.modulus, latency=spec.tool_latency,
-                     header_ops=min(spec.num_ops, 16), max_wrong=spec.max_wrong)  # fmt: skip
+                     header_ops=min(spec.num_ops, 16), max_wrong=spec.max_wrong,
+                     tool_timeout=spec.tool_timeout)  # fmt: skip
 
 
 def _code(spec: EnvSpec) -> CodeEnv:
-    del spec  # the code task has no settings in the config yet
-    return CodeEnv()
+    return CodeEnv(tool_timeout=spec.tool_timeout)
 
 
 ENVIRONMENTS = {"ledger": _ledger, "code": _code}
@@ -47,4 +51,5 @@ def make_env(spec: EnvSpec) -> Environment:
         raise ValueError(
             f"config key 'env.name' is {spec.name!r}, not one of {sorted(ENVIRONMENTS)}"
         )
-    return ENVIRONMENTS[spec.name](spec)
+    env = ENVIRONMENTS[spec.name](spec)
+    return FaultyTools(env, spec.fault_rate, spec.seed) if spec.fault_rate > 0 else env

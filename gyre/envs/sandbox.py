@@ -1,31 +1,65 @@
-"""Runs untrusted Python against hidden tests in a subprocess sandbox.
+"""Runs untrusted Python against hidden tests, isolated by the OS (bubblewrap), judged outside.
 
-What is enforced, and how (honestly, without container tooling):
-  - resource limits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), size of any written
-    file (RLIMIT_FSIZE), no core dumps; plus a wall-clock limit after which the whole process
-    group (the child runs in a new session) is killed;
-  - filesystem: the child runs in a fresh temporary directory; an audit hook installed before
-    the solution is imported denies opening files for writing, and removing, renaming,
-    linking, chmod-ing or creating anything, outside that directory, and denies
-    subprocess/exec/fork, sockets, ctypes and chdir. When this process is root, the child also
-    drops to uid/gid 65534 (nobody) when a world-executable interpreter exists, so the OS
-    refuses writes outside world-writable places too;
-  - network: the child runs in a new network namespace (``unshare -rn``, no interfaces)
-    where the OS allows it (``network_isolated()`` says whether it does); the audit hook
-    denies sockets regardless.
-How the child starts: never with ``os.fork`` (nor a ``preexec_fn``, which forces one) in this
+What is enforced, and by what:
+  - filesystem (bubblewrap mount namespace): the program sees a private root that holds only
+    /usr (read-only; /lib, /lib64, /bin, /sbin as on the host: symlinks into /usr, or
+    read-only binds), a fresh /proc (its own PID namespace only), a minimal /dev, a private
+    /tmp (tmpfs of ``tmp_bytes``), and its scratch directory, bound read-write at /sandbox
+    (its working directory). No /etc, /root, /home, project or host /tmp. The root and /dev
+    are remounted read-only, so /sandbox and /tmp are the only writable places;
+  - identity: the program runs as a uid of its own (``UID_BASE`` + a slot held with a lock
+    file for the run, so concurrent runs, in this process or others, never share one) with no
+    supplementary groups, in a new user namespace with every capability dropped and further
+    user namespaces disabled; the scratch directory is chowned to that uid;
+  - namespaces: ``--unshare-all`` (user, PID, network, IPC, UTS, cgroup): no network
+    interface but a private loopback, no host Unix sockets (no host path, and the abstract
+    namespace is per network namespace), no view of or signals to host processes;
+  - lifetime: the program is a child of the init of a fresh PID namespace, and the kernel
+    kills every process in it when that init exits, so nothing (setsid'd, double-forked,
+    daemonised) outlives the run; ``--die-with-parent`` makes that init die with bwrap, and
+    bwrap with the launcher, which dies with this process. The launcher is also the child
+    subreaper that reaps bwrap's init, so no zombie is left to the host's PID 1, and it exits
+    only when the whole sandbox is gone. The run's uid is then swept (any process left is
+    killed) as a backstop, and ``run_tests`` returns only when it has no process left;
+  - resources (rlimits, set before bubblewrap starts and inherited by everything inside):
+    processes/threads (RLIMIT_NPROC, counted per uid, hence the uid per run), address space
+    per process (RLIMIT_AS), CPU seconds per process (RLIMIT_CPU: SIGXCPU, SIGKILL one second
+    later), size of any written file (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core
+    dumps; plus a wall-clock limit after which the whole sandbox is killed, and a budget of
+    output bytes: stdout and stderr share one pipe that this process reads in bounded chunks,
+    killing the run once the budget is passed (status ``output_limit``), so the judge's memory
+    stays bounded whatever the program prints;
+  - judging: the expected answers and reference solutions never enter the sandbox. The runner
+    inside gets only the function name and the inputs (on stdin, then replaced by /dev/null)
+    and prints each call's result as a marked line, ``<MARK><i> value <json>`` or
+    ``<MARK><i> error <ExceptionName>``. Everything it prints is untrusted: the program can
+    print marked lines too. This process parses them robustly (a malformed, out-of-range or
+    duplicate line is an error for that test, never an exception) and compares outside, as
+    strictly as ever: ``type(got) is type(expected) and got == expected`` on JSON values (so
+    bool, int and float stay distinct; tuples are compared as lists, dict keys as strings; a
+    value JSON cannot encode, like an object whose ``__eq__`` is always True, fails). A forged
+    line can only claim a value, which is then checked like any other; a forged line next to
+    the runner's own line for the same test makes that test an error.
+How the sandbox starts: never with ``os.fork`` (nor a ``preexec_fn``, which forces one) in this
 process, because JAX is multithreaded here and a forked child that runs Python code before
-exec can deadlock on a lock some other thread held at the fork. The child is spawned with no
-``preexec_fn`` (so CPython's subprocess, 3.10+ on Linux, uses vfork + exec and runs only
-async-signal-safe C code in between) as a tiny trusted launcher, ``python -I -S -B -c
-LAUNCHER``, which sets the rlimits, drops privileges (setgroups, setgid, setuid) and then
-execs ``[unshare -rn] python _runner.py``; rlimits and credentials survive exec, so they hold
-before any untrusted code runs. A launcher that cannot set up exits with LAUNCH_FAILED and a
-marked message, and ``run_tests`` raises OSError (an infrastructure error, not a verdict on
-the code).
-Not enforced: RLIMIT_NPROC (per-user, so it would count unrelated processes; fork is denied
-by the hook instead); the audit hook is a guard against accidental and naive escapes, not a
-determined adversary inside the interpreter (e.g. one that inspects the runner's frames).
+exec can deadlock. It is spawned (vfork + exec in CPython's subprocess) as a tiny trusted
+launcher, ``python -I -S -B -c LAUNCHER``, which sets the rlimits, drops to the run's uid
+(setgroups, setgid, setuid), sets its parent-death signal and child-subreaper flag, spawns
+``bwrap ... /usr/bin/python3 -I -S -B -c RUNNER`` and reaps until no child is left (SIGTERM
+makes it kill bwrap first: how a run is stopped). rlimits and credentials are inherited, so
+they hold before any untrusted code runs. The interpreter inside must live under /usr (the
+project's own one usually is not reachable by the run's uid). A launcher or sandbox that
+cannot start raises OSError (an infrastructure error, not a verdict on the code); the runner
+prints a start line before any untrusted code runs, so the program cannot fake that.
+Availability: ``isolation_available()`` (cached) checks for root (needed to switch uid),
+``bwrap``, a Python under /usr and a reachable temporary directory, then runs a probe through
+the whole path. Where it fails, ``require_isolation()`` (CodeEnv calls it when constructed) and
+``run_tests`` raise SandboxUnavailable: nothing ever runs unconfined.
+Not enforced: memory is per process (RLIMIT_AS times the process limit bounds the total, no
+cgroup); disk use in /sandbox is bounded per file (RLIMIT_FSIZE) and by time, not in total;
+CPU is per process, so several processes can use several cores until the wall limit; a
+program that catches SIGXCPU is killed by SIGKILL a second later and reported ``killed``;
+kernel bugs reachable from an unprivileged user namespace are out of scope (no seccomp filter).
 """
 
 from __future__ import annotations
@@ -33,222 +67,549 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 
-NOBODY = 65534
-RESULT_MARK = "@@gyre-result@@"
-LAUNCH_MARK = "@@gyre-launch-failed@@"
+MARK = "@@gyre-sandbox@@ "
+LAUNCH_MARK = "@@gyre-launch-failed@@ "
 LAUNCH_FAILED = 125
+UID_BASE = 1_812_000_000  # far from the usual subordinate-uid ranges (100000...)
+UID_POOL = 65536
+SANDBOX = "/sandbox"  # the scratch directory's path inside
+INSTALL_HINT = "install bubblewrap (scripts/install_sandbox.sh, or apt-get install bubblewrap)"
+_MARK_B = MARK.encode()
+_START = b"\n" + _MARK_B + b"start\n"
+_CHUNK = 65536
+_NAME = re.compile(rb"[A-Za-z_][A-Za-z0-9_.]{0,99}")
+_INDEX = re.compile(rb"[0-9]{1,9}")
 
-# Trusted, runs first in the child: rlimits, then drop privileges, then exec the real command.
-# argv: cpu_seconds memory_bytes file_bytes drop(0/1) program [args...]. Kept tiny: the
-# address-space limit already applies to it once set (exec then starts a fresh image).
+# Trusted, runs first as root: rlimits, then drop to the run's uid, then start bubblewrap and
+# reap everything until no child is left (as a child subreaper, so the sandbox's init, which
+# bwrap leaves behind, is reaped here and the run ends only once the sandbox is gone). SIGTERM
+# makes it kill bwrap (whose --die-with-parent takes the sandbox down) and go on reaping.
+# argv: cpu mem fsize nofile nproc uid program [args...]. Kept tiny: the address-space limit
+# already applies to it once set.
 LAUNCHER = rf"""
-import os, resource, sys
+import ctypes, os, resource as R, signal, sys
 try:
-    cpu, mem, fsize, drop = map(int, sys.argv[1:5])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if drop:
-        os.setgroups([])
-        os.setgid({NOBODY})
-        os.setuid({NOBODY})
-    os.execv(sys.argv[5], sys.argv[5:])
-except BaseException as exc:
-    os.write(2, ("{LAUNCH_MARK}" + repr(exc) + "\n").encode())
-    os._exit({LAUNCH_FAILED})
-"""
-
-RUNNER = (
-    r"""
-import json, os, sys
-SANDBOX = os.path.realpath(os.getcwd())
-FN, TESTS = json.loads(sys.stdin.readline())
-_write, _res = os.write, os.dup(1)
-for fd, name in ((1, "_stdout.txt"), (2, "_stderr.txt")):  # the solution's output stays inside
-    os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-DENY = ("subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty",
-        "socket.", "ctypes.", "os.chdir", "os.chroot", "pty.", "os.kill", "os.killpg")
-PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
-               "os.truncate", "os.chmod", "os.chown", "os.utime", "shutil.rmtree",
-               "shutil.copyfile", "shutil.move", "os.mkfifo", "os.mknod"}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-def _inside(path):
-    if isinstance(path, int):
-        return True  # an already open descriptor
-    real = os.path.realpath(os.fsdecode(path))
-    return real == SANDBOX or real.startswith(SANDBOX + os.sep)
-
-def _hook(event, args):
-    if event.startswith(DENY):
-        raise PermissionError(f"sandbox: {event} denied")
-    if event == "open":
-        path, mode, flags = args
-        writing = bool(mode and any(c in mode for c in "wax+")) or bool((flags or 0) & WRITE_FLAGS)
-        if path is not None and writing and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} denied")
-    elif event in PATH_EVENTS:
-        for arg in args:
-            if isinstance(arg, (str, bytes, os.PathLike)) and not _inside(arg):
-                raise PermissionError(f"sandbox: {event} on {arg!r} denied")
-
-sys.addaudithook(_hook)
-sys.path.insert(0, SANDBOX)
-out = {"results": []}
-try:
-    import solution
-    fn = getattr(solution, FN)
-    for args, expected in TESTS:
+    cpu, mem, fsize, nofile, nproc, uid = map(int, sys.argv[1:7])
+    parent, libc = os.getppid(), ctypes.CDLL(None, use_errno=True)
+    for res, lim in ((R.RLIMIT_CPU, (cpu, cpu + 1)), (R.RLIMIT_AS, (mem, mem)),
+                     (R.RLIMIT_FSIZE, (fsize, fsize)), (R.RLIMIT_CORE, (0, 0)),
+                     (R.RLIMIT_NOFILE, (nofile, nofile)), (R.RLIMIT_NPROC, (nproc, nproc))):
+        R.setrlimit(res, lim)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups():
+        raise OSError("could not drop privileges")
+    # After setuid, which clears the parent-death signal: die with the parent; be the reaper.
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) or libc.prctl(36, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl failed")
+    if os.getppid() != parent:
+        os._exit(137)
+    child = None
+    def stop(signum, frame):
+        if child is None:
+            os._exit(137)
         try:
-            got = fn(*args)
-            ok = type(got) is type(expected) and got == expected
-            out["results"].append("pass" if ok else "fail")
-        except BaseException as exc:
-            out["results"].append("error:" + type(exc).__name__)
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+    signal.signal(signal.SIGTERM, stop)
+    child = os.posix_spawn(sys.argv[7], sys.argv[7:], {{}})
 except BaseException as exc:
-    out["load_error"] = type(exc).__name__
-_write(_res, ("\n"""
-    + RESULT_MARK
-    + r"""" + json.dumps(out) + "\n").encode())
+    os.write(1, ("{LAUNCH_MARK}" + repr(exc) + "\n").encode())
+    os._exit({LAUNCH_FAILED})
+code = 1
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    if pid == child:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # bwrap is gone; finish reaping
+        code = os.waitstatus_to_exitcode(status)
+        code = code if code >= 0 else 128 - code
+os._exit(code)
 """
-)
+
+# Untrusted territory: runs inside the sandbox with the program, which can read and change
+# anything here. It only ever gets the inputs; its output is parsed, never believed.
+RUNNER = rf"""
+import json, os, sys
+
+def emit(text):
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except BaseException:
+            pass
+    data = ("\n{MARK}" + text + "\n").encode()
+    while data:
+        try:
+            data = data[os.write(1, data):]
+        except InterruptedError:
+            pass
+        except BaseException:
+            return
+
+FN, INPUTS = json.loads(sys.stdin.buffer.readline())
+os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+emit("start")
+sys.path.insert(0, "{SANDBOX}")
+try:
+    fn = getattr(__import__("solution"), FN)
+except BaseException as exc:
+    emit("load-error " + type(exc).__name__)
+    os._exit(0)
+emit("loaded")
+for i, args in enumerate(INPUTS):
+    try:
+        got = fn(*args)
+    except BaseException as exc:
+        emit("%d error %s" % (i, type(exc).__name__))
+        continue
+    try:
+        text = json.dumps(got)
+    except BaseException as exc:
+        emit("%d unserializable %s" % (i, type(exc).__name__))
+        continue
+    emit("%d value %s" % (i, text))
+os._exit(0)
+"""
+
+
+class SandboxUnavailable(RuntimeError):
+    """OS isolation (bubblewrap) cannot run here: the code task must not start."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-    cpu_seconds: int = 2
+    cpu_seconds: int = 2  # per process
     wall_seconds: float = 5.0
-    memory_bytes: int = 512 * 2**20
-    file_bytes: int = 2**20
+    memory_bytes: int = 512 * 2**20  # address space per process
+    file_bytes: int = 2**20  # largest file it may write
+    processes: int = 16  # processes + threads of the run's uid (4 are the sandbox's own)
+    open_files: int = 64
+    output_bytes: int = 2**20  # stdout + stderr, result lines included
+    tmp_bytes: int = 16 * 2**20  # the private /tmp (tmpfs, memory)
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    """status: 'ok' (tests ran), 'timeout', 'memory', 'output_limit', 'error' (the code did
-    not load: syntax error, missing function...), 'crash'. results: one entry per test,
-    'pass', 'fail' or 'error:<ExceptionName>' (empty unless the tests ran)."""
+    """status: 'ok' (tests ran), 'timeout' (wall clock or CPU limit), 'memory', 'output_limit',
+    'killed' (ended by another signal), 'error' (the code did not load, or exited without
+    reporting every test). results: one entry per test, 'pass', 'fail' or
+    'error:<ExceptionName>' (also error:Duplicate / error:Malformed for bad result lines);
+    empty unless every test reported. outputs: the value each test returned, as this judge
+    read it (None where there was none), whatever the status. uid: the run's uid."""
 
     status: str
     results: tuple[str, ...]
     detail: str = ""
+    outputs: tuple = ()
+    uid: int = -1
 
     @property
     def passed(self) -> int:
         return sum(r == "pass" for r in self.results)
 
 
-def _world_executable(path: str) -> bool:
+# ---------------------------------------------------------------- availability and commands
+
+
+def _reachable(path: str) -> bool:
+    """Whether every directory above ``path`` (and it) can be traversed by any user."""
     real = os.path.realpath(path)
     parts = real.split(os.sep)
-    dirs = [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts))]
-    return all(os.stat(d).st_mode & 0o001 for d in dirs) and bool(os.stat(real).st_mode & 0o001)
-
-
-@functools.cache
-def interpreter() -> tuple[str, bool]:
-    """(python path, drop to nobody?): drop only as root and with a world-executable python."""
-    if os.geteuid() != 0:
-        return sys.executable, False
-    for cand in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
-        if cand and os.path.exists(cand) and _world_executable(cand):
-            return cand, True
-    return sys.executable, False
-
-
-def _launch(python: str, drop: bool, limits: SandboxLimits, argv: list[str]) -> list[str]:
-    """The command that runs ``argv`` (argv[0] an absolute path) under ``limits``, as nobody
-    when ``drop``: the launcher applies both in the child, so the parent never forks."""
-    cpu = max(1, int(limits.cpu_seconds))
-    return [python, "-I", "-S", "-B", "-c", LAUNCHER, str(cpu), str(int(limits.memory_bytes)),
-            str(int(limits.file_bytes)), str(int(drop)), *argv]  # fmt: skip
-
-
-def _unshare() -> str | None:
-    return shutil.which("unshare")
-
-
-@functools.cache
-def network_isolated() -> bool:
-    """Whether ``unshare -rn`` works here for the sandbox's user."""
-    unshare, true = _unshare(), shutil.which("true")
-    if unshare is None or true is None:
-        return False
-    python, drop = interpreter()
     try:
-        cmd = _launch(python, drop, SandboxLimits(), [unshare, "-rn", true])
-        r = subprocess.run(cmd, capture_output=True, timeout=10, start_new_session=True)
-    except (OSError, subprocess.SubprocessError):
+        return all(
+            os.stat(os.sep.join(parts[:i]) or os.sep).st_mode & 0o001
+            for i in range(1, len(parts) + 1)
+        )
+    except OSError:
         return False
-    return r.returncode == 0
+
+
+def _inner_python() -> str | None:
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        real = os.path.realpath(cand)
+        if real.startswith("/usr/") and os.access(real, os.X_OK) and _reachable(real):
+            return cand
+    return None
+
+
+@functools.cache
+def _tools() -> tuple[str | None, str | None]:
+    """(bwrap, the Python used inside)."""
+    bwrap = shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin")
+    return bwrap, _inner_python()
+
+
+def _system_dirs() -> list[str]:
+    """bwrap arguments for /usr and the top-level dirs that point into it on the host."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = "/" + name
+        if os.path.islink(host):
+            args += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            args += ["--ro-bind", host, host]
+    return args
+
+
+def _command(workdir: str, uid: int, limits: SandboxLimits) -> list[str]:
+    bwrap, python = _tools()
+    if bwrap is None or python is None:
+        raise SandboxUnavailable(f"no bwrap or no Python under /usr; {INSTALL_HINT}")
+    sandbox = [
+        bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+        "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
+        "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SANDBOX,
+        "--setenv", "LANG", "C.UTF-8",
+        *_system_dirs(), "--proc", "/proc", "--dev", "/dev",
+        "--size", str(int(limits.tmp_bytes)), "--tmpfs", "/tmp",
+        "--bind", workdir, SANDBOX, "--chdir", SANDBOX,
+        "--remount-ro", "/dev", "--remount-ro", "/",
+        "--", python, "-I", "-S", "-B", "-c", RUNNER,
+    ]  # fmt: skip
+    rlimits = (max(1, int(limits.cpu_seconds)), limits.memory_bytes, limits.file_bytes,
+               limits.open_files, limits.processes, uid)  # fmt: skip
+    launcher = [sys.executable, "-I", "-S", "-B", "-c", LAUNCHER]
+    return [*launcher, *map(str, map(int, rlimits)), *sandbox]
+
+
+def _lock_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "gyre-sandbox-uids")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"sandbox uid lock directory {path} is not private to this user")
+    return path
+
+
+def _pids_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose real uid is ``uid``."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                fields = dict(ln.split(b":", 1) for ln in f.read().splitlines() if b":" in ln)
+            zombie = fields[b"State"].strip().startswith(b"Z")
+            if int(fields[b"Uid"].split()[0]) == uid and not zombie:
+                pids.append(int(name))
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+    return pids
+
+
+def _acquire_uid() -> tuple[int, int]:
+    """(uid, lock fd): a uid no other run (here or in another process) holds, with no process.
+    The lock is a flock on a per-uid file, released when the fd closes (or the process dies)."""
+    locks = _lock_dir()
+    start = (os.getpid() * 64) % UID_POOL
+    for k in range(UID_POOL):
+        uid = UID_BASE + (start + k) % UID_POOL
+        fd = os.open(os.path.join(locks, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if _pids_of(uid):  # someone else's processes: not ours to use (nor to kill)
+            os.close(fd)
+            continue
+        return uid, fd
+    raise OSError("no free sandbox uid")
+
+
+def _sweep(uid: int) -> bool:
+    """Kills what is left of the run's uid (a backstop: the PID namespace should have done it).
+    True when nothing is left."""
+    pids = _pids_of(uid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return not pids
+
+
+def _prepare(workdir: str, uid: int, source: str) -> None:
+    if not _reachable(os.path.dirname(os.path.realpath(workdir))):
+        raise ValueError(f"the directories above {workdir} must be reachable by other users")
+    path = os.path.join(workdir, "solution.py")
+    with open(path, "w") as f:
+        f.write(source)
+    os.chmod(path, 0o644)
+    os.chown(workdir, uid, uid)
+
+
+def _payload(function: str, tests) -> bytes:
+    return (json.dumps([function, [list(args) for args, _ in tests]]) + "\n").encode()
+
+
+@functools.cache
+def isolation_available() -> tuple[bool, str]:
+    """(whether the bubblewrap sandbox works here, why not). Probes once per process."""
+    if os.geteuid() != 0:
+        return False, "the sandbox runs each program as its own uid, which needs root"
+    bwrap, python = _tools()
+    if bwrap is None:
+        return False, "bubblewrap (bwrap) is not installed"
+    if python is None:
+        return False, "no Python interpreter under /usr (e.g. /usr/bin/python3) to run inside"
+    if not _reachable(tempfile.gettempdir()):
+        return False, f"the temporary directory {tempfile.gettempdir()} is not reachable"
+    tests, uid, lock, workdir = [((2,), 3)], None, None, None
+    try:
+        uid, lock = _acquire_uid()
+        workdir = tempfile.mkdtemp(prefix="gyre-sbx-probe-")
+        _prepare(workdir, uid, "def f(x):\n    return x + 1\n")
+        r = subprocess.run(_command(workdir, uid, SandboxLimits()), input=_payload("f", tests),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30,
+                           start_new_session=True, cwd="/", env={})  # fmt: skip
+        if not r.stdout.startswith(_START) or _judge(r.stdout[: 2**16], tests)[0] != ["pass"]:
+            tail = r.stdout[-300:].decode(errors="replace")
+            return False, f"a probe run in bubblewrap failed (exit {r.returncode}): {tail}"
+    except (OSError, subprocess.SubprocessError, SandboxUnavailable) as exc:
+        return False, f"a probe run in bubblewrap failed: {exc!r}"
+    finally:
+        deadline = time.monotonic() + 5
+        while uid is not None and not _sweep(uid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if lock is not None:
+            os.close(lock)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return True, ""
+
+
+def require_isolation() -> None:
+    """Raises SandboxUnavailable (one line, saying how to fix it) unless the sandbox works."""
+    ok, reason = isolation_available()
+    if not ok:
+        reason = " ".join(reason.split())  # one line
+        raise SandboxUnavailable(f"code task sandbox unavailable: {reason}; {INSTALL_HINT}")
+
+
+# ---------------------------------------------------------------------------------- judge
+
+
+def _expected(value):
+    """The expected value as it would come back through JSON (tuples -> lists, ...)."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError, RecursionError):
+        return value
+
+
+def _same(got, expected) -> bool:
+    try:
+        return type(got) is type(expected) and bool(got == expected)
+    except Exception:
+        return False
+
+
+def _judge(out: bytes, tests) -> tuple[list[str], list, dict]:
+    """Per-test verdicts and values from the runner's (untrusted) output; never raises."""
+    n = len(tests)
+    lines: list[list[tuple[bytes, bytes]]] = [[] for _ in range(n)]
+    info = {"load_error": None, "loaded": False, "stray": 0}
+    for line in out.split(b"\n"):
+        if not line.startswith(_MARK_B):
+            continue
+        parts = line[len(_MARK_B) :].split(b" ", 2)
+        if parts == [b"loaded"]:
+            info["loaded"] = True
+        elif parts[0] == b"load-error" and len(parts) == 2:
+            name = parts[1] if _NAME.fullmatch(parts[1]) else b"Malformed"
+            info["load_error"] = info["load_error"] or name.decode()
+        elif _INDEX.fullmatch(parts[0]) and int(parts[0]) < n:
+            i = int(parts[0])
+            lines[i].append((parts[1], parts[2]) if len(parts) == 3 else (b"malformed", b""))
+        elif parts != [b"start"]:
+            info["stray"] += 1
+    verdicts, outputs = [], []
+    for (_, expected), got_lines in zip(tests, lines):
+        value = None
+        if not got_lines:
+            verdict = "error:NoResult"
+        elif len(got_lines) > 1:
+            verdict = "error:Duplicate"
+        else:
+            kind, payload = got_lines[0]
+            verdict = "error:Malformed"
+            if kind == b"value":
+                try:
+                    value = json.loads(payload)
+                    verdict = "pass" if _same(value, _expected(expected)) else "fail"
+                except Exception:
+                    value = None
+            elif kind == b"error" and _NAME.fullmatch(payload):
+                verdict = "error:" + payload.decode()
+            elif kind == b"unserializable":
+                verdict = "fail"
+        verdicts.append(verdict)
+        outputs.append(value)
+    info["complete"] = all(lines)
+    return verdicts, outputs, info
+
+
+def _signal_of(code: int) -> int | None:
+    if code < 0:
+        return -code
+    if 128 < code < 128 + 65:  # bwrap reports a command killed by signal s as 128 + s
+        return code - 128
+    return None
+
+
+def _tail(out: bytes) -> str:
+    text = b"\n".join(ln for ln in out[-4096:].split(b"\n") if not ln.startswith(_MARK_B))
+    return text.decode(errors="replace").strip()[-200:]
+
+
+def _classify(code, out: bytes, tests, limits, timed_out, over, uid) -> SandboxResult:
+    verdicts, outputs, info = _judge(out, tests)
+    outs = tuple(outputs)
+    if timed_out:
+        return SandboxResult("timeout", (), f"killed after {limits.wall_seconds} s wall", outs, uid)
+    if over:
+        return SandboxResult(
+            "output_limit", (), f"killed past {limits.output_bytes} bytes of output", outs, uid
+        )
+    if not out.startswith(_START):
+        text = out[:600].decode(errors="replace")
+        if text.startswith(LAUNCH_MARK):
+            raise OSError(f"sandbox launcher failed: {text[len(LAUNCH_MARK) :].strip()}")
+        raise OSError(f"sandbox did not start (exit code {code}): {text.strip()}")
+    sig = _signal_of(code)
+    if sig == signal.SIGXCPU:
+        return SandboxResult("timeout", (), "killed at the CPU-time limit", outs, uid)
+    complete = info["complete"] and info["load_error"] is None
+    memory_error = info["load_error"] == "MemoryError" or "error:MemoryError" in verdicts
+    if memory_error or (not complete and b"MemoryError" in out):
+        results = tuple(verdicts) if complete else ()
+        return SandboxResult("memory", results, "MemoryError at the memory limit", outs, uid)
+    if sig is not None:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return SandboxResult("killed", (), f"killed by {name}: {_tail(out)}", outs, uid)
+    if info["load_error"] is not None:
+        detail = f"could not load the solution: {info['load_error']}"
+        return SandboxResult("error", (), detail, outs, uid)
+    if not info["loaded"]:
+        detail = f"exited (code {code}) while loading the solution: {_tail(out)}"
+        return SandboxResult("error", (), detail, outs, uid)
+    if not complete:
+        missing = [i for i, v in enumerate(verdicts) if v == "error:NoResult"]
+        detail = f"exited (code {code}) without results for tests {missing}: {_tail(out)}"
+        return SandboxResult("error", (), detail, outs, uid)
+    return SandboxResult("ok", tuple(verdicts), "", outs, uid)
+
+
+# ---------------------------------------------------------------------------------- running
+
+
+def _stop(proc) -> None:
+    """Asks the launcher to kill bwrap (whose --die-with-parent takes the sandbox with it) and
+    reap what is left; the launcher itself keeps running until that is done."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+
+
+async def _finish(proc, uid: int) -> None:
+    """Reaps the sandbox: output drained to EOF (discarded), the launcher waited for, the uid
+    empty; escalates to SIGKILL for all of them if that takes too long."""
+    deadline = time.monotonic() + 5
+    with contextlib.suppress(TimeoutError, OSError):
+        while await asyncio.wait_for(proc.stdout.read(_CHUNK), deadline - time.monotonic()):
+            pass
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), max(0.01, deadline - time.monotonic()))
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not _sweep(uid):
+        if time.monotonic() > deadline:
+            raise OSError(f"processes of sandbox uid {uid} survived the run")
+        await asyncio.sleep(0.005)
+    if proc.returncode is None:
+        await proc.wait()
 
 
 async def run_tests(source: str, function: str, tests, limits: SandboxLimits = SandboxLimits(),
                     sandbox_dir: str | None = None) -> SandboxResult:  # fmt: skip
-    """Runs ``function`` from ``source`` on each (args, expected) test in a fresh sandbox.
+    """Runs ``function`` from ``source`` on the inputs of each (args, expected) test in a fresh
+    sandbox and judges the results here.
 
-    Raises OSError only when the sandbox itself cannot start (an infrastructure error).
-    sandbox_dir: use this (existing, empty) directory instead of a temporary one.
+    Raises SandboxUnavailable when bubblewrap cannot run here, OSError when the sandbox itself
+    cannot start (an infrastructure error, never caused by the code).
+    sandbox_dir: use this (existing, empty) directory, reachable by other users, instead of a
+    temporary one; it is chowned to the run's uid.
     """
-    python, drop = interpreter()
+    require_isolation()
+    tests = list(tests)
+    uid, lock = _acquire_uid()
     workdir = sandbox_dir or tempfile.mkdtemp(prefix="gyre-sbx-")
+    proc = None
     try:
-        if drop:
-            os.chown(workdir, NOBODY, NOBODY)
-        with open(os.path.join(workdir, "solution.py"), "w") as f:
-            f.write(source)
-        with open(os.path.join(workdir, "_runner.py"), "w") as f:
-            f.write(RUNNER)
-        argv = [python, "-I", "-S", "-B", "_runner.py"]
-        unshare = _unshare() if network_isolated() else None
-        if unshare is not None:
-            argv = [unshare, "-rn", *argv]
+        _prepare(workdir, uid, source)
         # No preexec_fn: the launcher applies the limits, so subprocess never forks this
-        # (multithreaded) process; start_new_session makes the child a group leader to kill.
+        # (multithreaded) process; start_new_session makes the launcher a group leader.
         proc = await asyncio.create_subprocess_exec(
-            *_launch(python, drop, limits, argv), cwd=workdir, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
+            *_command(workdir, uid, limits), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, cwd="/", env={},
         )  # fmt: skip
-        payload = (json.dumps([function, [list(t) for t in tests]]) + "\n").encode()
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(payload), limits.wall_seconds)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        buf, over = bytearray(), False
+
+        async def feed():
+            with contextlib.suppress(OSError):  # the runner may be gone already
+                proc.stdin.write(_payload(function, tests))
+                await proc.stdin.drain()
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+
+        async def pump():
+            nonlocal over
+            while chunk := await proc.stdout.read(_CHUNK):
+                room = limits.output_bytes - len(buf)
+                buf.extend(chunk[:room])
+                if len(chunk) > room:
+                    over = True
+                    _stop(proc)
+                    return
             await proc.wait()
-            return SandboxResult("timeout", (), f"killed after {limits.wall_seconds} s wall")
-        err_text = err.decode(errors="replace")
-        if proc.returncode == LAUNCH_FAILED and err_text.startswith(LAUNCH_MARK):
-            raise OSError(f"sandbox launcher failed: {err_text[len(LAUNCH_MARK) :].strip()}")
-        return _classify(proc.returncode, out.decode(errors="replace"), err_text)
+
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.gather(feed(), pump()), limits.wall_seconds)
+        except TimeoutError:
+            timed_out = True
+            _stop(proc)
+        await _finish(proc, uid)
+        return _classify(proc.returncode, bytes(buf), tests, limits, timed_out, over, uid)
     finally:
+        if proc is not None and proc.returncode is None:  # cancelled, or failed above
+            _stop(proc)
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(_finish(proc, uid), 10)
+        _sweep(uid)
+        os.close(lock)
         if sandbox_dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _classify(code: int, out: str, err: str) -> SandboxResult:
-    if code in (-signal.SIGXCPU, -signal.SIGKILL):
-        return SandboxResult("timeout", (), "killed at the CPU-time limit")
-    if code == -signal.SIGXFSZ:
-        return SandboxResult("output_limit", (), "killed at the file-size limit")
-    line = next((ln for ln in reversed(out.splitlines()) if ln.startswith(RESULT_MARK)), None)
-    if line is None:
-        status = "memory" if "MemoryError" in err else "crash"
-        return SandboxResult(status, (), f"exit code {code}: {err.strip()[-300:]}")
-    data = json.loads(line[len(RESULT_MARK) :])
-    results = tuple(data["results"])
-    if data.get("load_error") == "MemoryError" or "error:MemoryError" in results:
-        return SandboxResult("memory", results, "MemoryError at the memory limit")
-    if "load_error" in data:
-        return SandboxResult("error", results, f"could not load the solution: {data['load_error']}")
-    return SandboxResult("ok", results)

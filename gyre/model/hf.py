@@ -15,7 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gyre.model import decoder
@@ -92,23 +92,49 @@ def config_to_hf(spec: decoder.ModelSpec) -> dict:
     return out
 
 
+class CheckpointError(ValueError):
+    """An unreadable checkpoint file; the message names the file and what is wrong."""
+
+
+_MAX_HEADER = 100_000_000  # bytes; safetensors itself refuses larger headers
+
+
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one file as numpy; bfloat16 (absent from numpy) read via ml_dtypes."""
+    """All tensors of one file as numpy; bfloat16 (absent from numpy) read via ml_dtypes.
+
+    Every malformed file (truncated, bad header, offsets past the end) is a CheckpointError.
+    """
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    out = {}
-    with safe_open(path, framework="np") as f:
-        for name in f.keys():
-            if header[name]["dtype"] != "BF16":
-                out[name] = f.get_tensor(name)
-    bf16 = [n for n, h in header.items() if n != "__metadata__" and h["dtype"] == "BF16"]
-    if bf16:
-        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-        for name in bf16:
-            start, end = header[name]["data_offsets"]
-            flat = np.asarray(raw[start:end]).view(ml_dtypes.bfloat16)
-            out[name] = flat.reshape(header[name]["shape"])
+        # Bound the length before reading it: a garbage length would allocate up to 2^64 bytes.
+        if size < 8 or header_len > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(
+                f"{path}: header length {header_len} does not fit the file's {size} bytes "
+                "(truncated, or not a safetensors file)"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        out = {}
+        # safe_open checks every entry (BF16 too): dtype, shape and offsets within the file.
+        with safe_open(path, framework="np") as f:
+            for name in f.keys():
+                if header[name]["dtype"] != "BF16":
+                    out[name] = f.get_tensor(name)
+        bf16 = [n for n, h in header.items() if n != "__metadata__" and h["dtype"] == "BF16"]
+        if bf16:
+            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+            for name in bf16:
+                start, end = header[name]["data_offsets"]
+                flat = np.asarray(data[start:end]).view(ml_dtypes.bfloat16)
+                out[name] = flat.reshape(header[name]["shape"])
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: header is not UTF-8 ({e.reason} at byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: header is not JSON ({e})") from e
+    except (SafetensorError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from e
     return out
 
 
@@ -116,8 +142,11 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint folder (single file or sharded with an index)."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON, UTF-8, layout
+            raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from e
         paths = [os.path.join(folder, name) for name in files]
     else:
         paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))

@@ -57,7 +57,7 @@ def build_specs(cfg) -> Specs:
         )
         trajectory = _pick(TrajectorySpec, cfg.trajectory, vocab_size=model.vocab_size,
                            rows_per_microbatch=cfg.train.rows_per_microbatch)  # fmt: skip
-        env = _pick(EnvSpec, cfg.env, max_wrong=cfg.agent.max_retries)
+        env = _pick(EnvSpec, cfg.env, max_wrong=cfg.agent.max_retries, seed=cfg.seed)
         sft_seed = cfg.seed if cfg.sft.seed < 0 else cfg.sft.seed
         # The recipe holds only what the warm start uses, so RL-only settings (the reward, the
         # packing ablation, PPO clipping) leave its cache key, and its cached weights, alone.
@@ -70,7 +70,10 @@ def build_specs(cfg) -> Specs:
             trajectory=TrajectorySpec(model.vocab_size, max_paths=0, loss_mode="token-mean",
                                       row_len=trajectory.row_len,
                                       rows_per_microbatch=trajectory.rows_per_microbatch),  # fmt: skip
-            env=env,
+            # the task only: demonstrations never call a tool, so tool limits, injected faults
+            # and the RL seed leave the warm start (and its cache key) as it is
+            env=dataclasses.replace(env, tool_timeout=EnvSpec.tool_timeout, fault_rate=0.0,
+                                    seed=0),  # fmt: skip
             batch=cfg.sft.batch,
             mistake_prob=cfg.sft.mistake_prob,
             context_window=cfg.agent.context_window,
@@ -123,13 +126,16 @@ class Runtime:
         self.trainer = Trainer(self.specs.trainer, self.cells, self.graphdef, params)
         self.proxy.set_weights(self.trainer.params, self.trainer.version)
 
-    def evaluate_now(self, params, num_tasks: int, seed: int, temperature: float = 0.0) -> dict:
-        """Evaluation of ``params`` outside the RL loop (e.g. during the warm start)."""
+    def evaluate_now(self, params, num_tasks: int, seed: int, temperature: float = 0.0,
+                     on_call=None) -> dict:  # fmt: skip
+        """Evaluation of ``params`` outside the RL loop (e.g. during the warm start);
+        on_call() after every model call (a watchdog's beat)."""
 
         async def go():
             pump = asyncio.create_task(self.proxy.run())
+            client = evaluation.Notifying(self.proxy, on_call) if on_call else self.proxy
             try:
-                return await evaluation.evaluate(self.env, self.proxy, self.specs.agent,
+                return await evaluation.evaluate(self.env, client, self.specs.agent,
                                                  num_tasks, seed, temperature)  # fmt: skip
             finally:
                 pump.cancel()

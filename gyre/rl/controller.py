@@ -27,21 +27,9 @@ import time
 from gyre.agent.harness import run_execution
 from gyre.elastic import policy as policies
 from gyre.rl import evaluation
+from gyre.rl.evaluation import Notifying
 from gyre.rl.progress import RoleTimeline, TraceWriter
 from gyre.rl.work import StepRecord, StepWork, step_tasks
-
-
-class Notifying:
-    """A generate client that wakes the controller after every model call (a decision point:
-    live load changed)."""
-
-    def __init__(self, client, wake):
-        self.client, self.wake = client, wake
-
-    async def generate(self, request):
-        out = await self.client.generate(request)
-        self.wake()
-        return out
 
 
 class Controller:
@@ -50,11 +38,13 @@ class Controller:
     policy_fn: an allocation policy (default: the configured one); timeline: the run's role
     time line (default: a new one); after_microbatch: a hook called after every micro-batch
     gradient (tests use it to kill the run at a chosen point); should_stop: asked after each
-    finished step, True ends the loop there (a requested stop).
+    finished step, True ends the loop there (a requested stop); on_progress: called whenever
+    something finishes (a model call, an execution, a micro-batch, a step: the run's watchdog
+    beat, gyre/watchdog.py).
     """
 
     def __init__(self, rt, policy_fn=None, timeline=None, after_microbatch=None,
-                 should_stop=None):  # fmt: skip
+                 should_stop=None, on_progress=None):  # fmt: skip
         self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
         self.policy = policy_fn or policies.POLICIES[self.specs.run.policy]
         self.after_microbatch = after_microbatch
@@ -71,6 +61,20 @@ class Controller:
         self.failure: BaseException | None = None  # the first error of a background task
         self._tasks: set[asyncio.Task] = set()
         self._rr = 0
+        self.on_progress = on_progress or (lambda: None)
+
+    def progress(self) -> None:
+        """Something finished: a decision point for the loop, a beat for the watchdog."""
+        self.on_progress()
+        self.wake.set()
+
+    def where(self) -> str:
+        """Where the run stands, for the watchdog's message."""
+        live = sum(e.num_live for e in self.proxy.engines.values())
+        return (f"weights at version {self.trainer.version}, steps in flight {sorted(self.steps)}, "
+                f"executions finished {self.counters['finished']} of "
+                f"{self.counters['dispatched']} dispatched, {live} live model requests, "
+                f"roles {self.roles}")  # fmt: skip
 
     # ------------------------------------------------------------------ policy and roles
 
@@ -136,7 +140,7 @@ class Controller:
             self.wake.set()
 
     async def _run_group(self, work: StepWork, task, group: int) -> None:
-        client = Notifying(self.proxy, self.wake.set)
+        client = Notifying(self.proxy, self.progress)
 
         async def one(k: int):
             start = self.timeline.now()
@@ -145,12 +149,12 @@ class Controller:
                                       f"{task.task_id}/{k}#0")  # fmt: skip
             self.counters["finished"] += 1
             self.trace.record(res, work.step, group, start, self.timeline.now())
-            self.wake.set()
+            self.progress()
             return res
 
         results = await asyncio.gather(*(one(k) for k in range(self.specs.run.samples_per_task)))
         work.add_group(list(results), self.specs.trajectory)
-        self.wake.set()
+        self.progress()
 
     # ------------------------------------------------------------------ train side
 
@@ -168,6 +172,7 @@ class Controller:
         t0 = time.time()
         work.grads.append((part, self.trainer.compute_grads(cell, mb)))
         self.timeline.busy(cell.index, time.time() - t0)
+        self.progress()
         if self.after_microbatch is not None:
             self.after_microbatch(self.trainer.microbatches_done)
         return True
@@ -190,7 +195,8 @@ class Controller:
         self.apply_roles(evaluation.required_roles(tuple(self.roles)))
         roles = self.timeline.set_all("eval")
         try:
-            return await evaluation.evaluate(self.rt.env, self.proxy, self.specs.agent,
+            client = Notifying(self.proxy, self.progress)
+            return await evaluation.evaluate(self.rt.env, client, self.specs.agent,
                                              num_tasks, seed, temperature)  # fmt: skip
         finally:
             for i, role in enumerate(roles):
@@ -216,6 +222,7 @@ class Controller:
                 ready = [w for w in self.steps.values() if w.ready]
                 if ready:
                     record = self.finish_step(min(ready, key=lambda w: w.step))
+                    self.progress()
                     if on_step is not None:
                         await on_step(record)
                     if self.should_stop() and self.trainer.version < steps:

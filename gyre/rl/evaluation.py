@@ -59,3 +59,15 @@ async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: i
         "eval_outcomes": {"eval_success": success.tolist(), "eval_milestones": milestones.tolist()},
     }
 
+
+class Notifying:
+    """A generate client that calls ``notify()`` after every model call (the controller's
+    decision point, the watchdog's beat)."""
+
+    def __init__(self, client, notify):
+        self.client, self.notify = client, notify
+
+    async def generate(self, request):
+        out = await self.client.generate(request)
+        self.notify()
+        return out

@@ -28,6 +28,7 @@ from gyre.rl.report import rl_status, summary_table, where_line
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
 from gyre.signals import armed, stop_requested
+from gyre.watchdog import Watchdog
 
 PROGRESS_KEYS = ("reward", "success", "partial", "grad_norm", "eval_success", "role_train_frac",
                  "step_seconds")  # fmt: skip
@@ -91,8 +92,10 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict) -> None:
-    """The warm start and the evaluation before RL (a fresh run only), on the time line."""
+def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict,
+               beat=lambda: None) -> None:  # fmt: skip
+    """The warm start and the evaluation before RL (a fresh run only), on the time line;
+    beat() at every warm-start step and model call (the watchdog's)."""
     specs = rt.specs
     if specs.sft.steps:
         timeline.set_all("warmstart")
@@ -101,7 +104,7 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict)
         hb.status = lambda: (f"warm start step {progress['step']}/{total}, "
                              f"{eta(hb.elapsed(), progress['step'], total)} (at most)")  # fmt: skip
         params, summary["warm_start"] = run_warm_start(
-            rt, hb.say, lambda step, info: progress.update(step=step))
+            rt, hb.say, lambda step, info: (beat(), progress.update(step=step)))
         rt.install(params)
         for row in summary["warm_start"].pop("history", []):
             writer.scalars("warmstart", row["step"], row)
@@ -110,7 +113,7 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict)
         hb.status = lambda: f"evaluating {specs.eval.tasks} held-out tasks before RL"
         ev = specs.eval
         summary["eval_start"] = rt.evaluate_now(rt.trainer.params, ev.tasks, ev.seed,
-                                                ev.temperature)  # fmt: skip
+                                                ev.temperature, on_call=beat)  # fmt: skip
         summary["eval_start_outcomes"] = summary["eval_start"].pop("eval_outcomes")
         hb.say("before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval_start"].items()))
 
@@ -147,19 +150,23 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
         write_json(rt.path("summary.json"), dict(summary, wall_seconds=wall, finished=False))
 
     writer = MetricsWriter(workdir)
-    with Heartbeat() as hb:
+    where = {"now": lambda: "before RL (warm start or evaluation)"}
+    watchdog = Watchdog(specs.run.watchdog_s, lambda: where["now"](),
+                        error_path=rt.path("error.txt"))  # fmt: skip
+    with Heartbeat() as hb, watchdog:
         hb.say(where_line(rt, workdir))
         if rt.resumed:
             hb.say(f"resuming after step {rt.trainer.version}/{steps} from the checkpoint in "
                    f"{rt.checkpointer.directory}")  # fmt: skip
         try:
             if rt.trainer.version == 0:
-                _before_rl(rt, timeline, hb, writer, summary)
+                _before_rl(rt, timeline, hb, writer, summary, watchdog.beat)
                 if "eval_start" in summary:
                     writer.scalars("", 0, summary["eval_start"])  # the curves' step 0
                 save_summary()
             ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch,
-                              should_stop=stop_requested)  # fmt: skip
+                              should_stop=stop_requested, on_progress=watchdog.beat)  # fmt: skip
+            where["now"] = ctrl.where
             recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)
             rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
             ctrl.handovers.update({k[len("handover_"):]: v for k, v in (rows[-1] if rows else {})

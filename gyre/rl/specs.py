@@ -33,6 +33,7 @@ class RunSpec:
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     seed: int = 0
+    watchdog_s: float = 1800.0  # abort when nothing progresses this long; 0 = off
 
     def __post_init__(self):
         names = ("steps", "tasks_per_step", "samples_per_task", "checkpoint_every",

@@ -128,6 +128,8 @@ def step_metrics(record: StepRecord, reward: str = "partial") -> dict:
         "staleness": record.version - 1 - record.version_at_dispatch,
     }
     m.update({f"end_{k}": v for k, v in reasons.items()})
+    # tool or model calls that crashed or hung and were retried (infrastructure, not policy)
+    m["infra_retries"] = sum(int(r.stats.get("infra_retries", 0)) for r in res)
     m["dup_ratio"] = m["flat_tokens"] / max(1, m["unique_tokens"])
     m["generated_tokens"] = sum(int(r.completion.size) for x in res for r in x.records)
     m["generated_tokens_per_s"] = m["generated_tokens"] / max(m["step_seconds"], 1e-9)

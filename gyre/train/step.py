@@ -17,8 +17,9 @@ Each cell gets its own jit program (its own shardings: parameters in the 'train'
 batch rows over 'data'), compiled once per shape bucket; the batch buffers are donated.
 Gradients of other cells cross to the core with ``gyre.mesh.move`` only: arrays of two cells
 never meet inside one program. The core alone holds the optimizer state. A non-finite loss or
-gradient skips the update (logged with the batch's execution ids); ``spec.max_bad_steps``
-skipped steps in a row raise :class:`TrainingDiverged`.
+gradient skips the update (logged with the batch's execution ids) but counts as a step: the
+weights stay and the version advances; ``spec.max_bad_steps`` skipped steps in a row raise
+:class:`TrainingDiverged`.
 """
 
 from __future__ import annotations
@@ -319,9 +320,11 @@ class Trainer:
         self.params = gmesh.move(params, self.param_shardings(self.core))
         self.opt_state = gmesh.move(opt_state, self._opt_sh)
         metrics["grad_norm"] = float(grad_norm)
+        # A skipped update still counts as a step (an identity update): the version names
+        # the number of steps taken, so step numbers, checkpoints and staleness stay aligned.
         self.step += 1
+        self.version += 1
         if bool(ok):
-            self.version += 1
             self.bad_steps = 0
             return StepOutcome(True, self.version, self.step, metrics, exec_ids)
         self.bad_steps += 1
@@ -334,7 +337,7 @@ class Trainer:
             raise TrainingDiverged(
                 f"{self.bad_steps} optimizer steps in a row had a non-finite loss or gradient "
                 f"(train.max_bad_steps={self.spec.max_bad_steps}); last executions "
-                f"{exec_ids}; weights kept at version {self.version}"
+                f"{exec_ids}; weights kept as after step {self.version - self.bad_steps}"
             )
         return StepOutcome(False, self.version, self.step, metrics, exec_ids)
 
