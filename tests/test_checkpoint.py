@@ -113,6 +113,7 @@ def test_an_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path, cap
     assert restored.step == 1
     for a, b in zip(_leaves(restored.params), good):
         np.testing.assert_array_equal(a, b)
-    (line,) = [r.getMessage() for r in caplog.records]
+    # ours only: orbax may warn too on a loaded machine ("Waiting for previous save ...")
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gyre.train.checkpoint"]
     assert "checkpoint 2" in line and "unreadable" in line and "resuming from step 1" in line
     ckpt.close()
