@@ -51,6 +51,7 @@ def get_config(arg=None):
     c.model.hf_dir = WARM_START
     c.agent.context_window = 512
     c.agent.max_calls = 32
+    c.agent.concurrency = 128  # a whole step's executions at once
     c.rollout.max_len = 512
     c.rollout.slots = 32
     c.rollout.max_new_tokens = 12

@@ -87,6 +87,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.max_new_tokens = 32
+    # KV pool budget per rollout cell, in tokens (gyre/rollout/engine.py): live requests reserve
+    # prompt + max new tokens, idle contexts kept for reuse are evicted least recently used.
+    # 0 = derived: slots * max_len on CPU; on an accelerator, device memory minus the cell's
+    # weights minus a reserve (capped at slots * max_len, the memory actually allocated).
+    c.rollout.kv_tokens = 0
 
     c.agent = ml_collections.ConfigDict()
     c.agent.max_calls = 64
@@ -96,7 +101,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.agent.context_window = 512
     c.agent.model_summary = False  # compaction summary written by the model (main-summary)
     c.agent.infra_retries = 2
-    c.agent.concurrency = 64
+    c.agent.concurrency = 64  # executions in flight at once (RL: across the steps in flight)
 
     c.env = ml_collections.ConfigDict()
     c.env.name = "ledger"
@@ -124,7 +129,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.scheduler.max_staleness = 1  # bound on step - weight version at dispatch
     c.scheduler.async_rollout_cells = 0  # fixed split for the async policy; 0 = half
     c.scheduler.slack_cells = 1  # elastic: spare rollout cells kept beyond the outstanding work
-    c.scheduler.switch_cost_s = 0.0  # seconds a role switch is assumed to cost
+    # What the policy assumes until the run has measured its own figures: seconds a role
+    # switch costs, and the calibration (gyre/elastic/calibrations/<name>.json, or a path)
+    # whose training speed seeds each cell's train tokens/s.
+    c.scheduler.switch_cost_s = 0.0
+    c.scheduler.calibration = "cpu_measured"
     c.scheduler.handover = "migrate"  # live requests of a cell leaving rollout: migrate or retry
 
     c.eval = ml_collections.ConfigDict()
@@ -199,6 +208,7 @@ BOUNDS: dict[str, Bound] = {
     "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
     "rollout.temperature": _ge(0), "rollout.top_p": UNIT_OPEN_LO, "rollout.max_new_tokens": _ge(1),
+    "rollout.kv_tokens": _ge(0),
     "agent.max_calls": _ge(1), "agent.max_tokens": _ge(1), "agent.max_seconds": _gt(0),
     "agent.max_retries": _ge(0), "agent.context_window": _ge(2), "agent.infra_retries": _ge(0),
     "agent.concurrency": _ge(1),

@@ -211,3 +211,39 @@ def test_an_error_in_a_background_task_ends_the_run_at_once(shared, tmp_path, mo
     with pytest.raises(ValueError, match="the packer broke"):
         # wait_for only guards the test; before the fix the loop waited here forever
         asyncio.run(asyncio.wait_for(ctrl.run(), timeout=300))
+
+
+def test_the_policy_sees_measured_figures_and_concurrency_is_honoured(shared, tmp_path):
+    """No placeholder reaches the policy: train tokens/s from timed micro-batches, switch
+    seconds from timed switches, capacity from the KV pools, a real 'started' counter; and at
+    most agent.concurrency executions run at once."""
+    cfg = tiny(shared, **{"agent.concurrency": 3, "scheduler.calibration": "cpu_measured"})
+    ctrl = Controller(build_runtime(build_specs(cfg), str(tmp_path)))
+    seen, rows, calls = [], [], []
+    policy = ctrl.policy
+
+    def watching(snap, params):
+        seen.append(snap)
+        return policy(snap, params)
+
+    ctrl.policy = watching
+
+    async def on_step(record):
+        from gyre.rl.work import step_metrics
+
+        rows.append(step_metrics(record))
+        calls.extend(len(res.records) for res in record.results)
+
+    asyncio.run(ctrl.run(on_step))
+    seed = ctrl.specs.run.seed_train_tps
+    assert all(s.started - s.finished <= 3 for s in seen)  # the gate held
+    assert any(s.dispatched > s.started for s in seen)  # ... and held some back
+    last = seen[-1]
+    assert all(m.count > 0 for m in ctrl.figures.train)  # every cell trained and was timed
+    assert all(t != seed and t > 0 for t in last.train_throughput)
+    assert last.rollout_capacity == ctrl.proxy.capacity_contexts()
+    assert ctrl.figures.switch["r2t"].count > 0  # the elastic policy switched, timed
+    for key in ("kv_evictions", "kv_admissions", "kv_resident_contexts",
+                "policy_train_tokens_per_s", "policy_switch_r2t_s"):  # fmt: skip
+        assert all(key in r for r in rows), key
+    assert sum(r["kv_admissions"] for r in rows) == sum(calls)  # each call admitted once

@@ -1,35 +1,18 @@
 """Model-call proxy: routing and lossless, exact hand-over of live requests between cells."""
 
 import asyncio
+import dataclasses
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from rollout_world import CELLS, SPEC, STATE  # the tiny model test_engine uses too
 
-from gyre import mesh as gmesh
-from gyre.config import default_config
-from gyre.model import decoder as gdec
-from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
 from gyre.rollout.proxy import Proxy
 from gyre.rollout.types import HANDOVERS, GenerateRequest
-
-# Same tiny model as tests/test_engine.py, so the per-cell programs are compiled once.
-_cfg = default_config()
-_m = _cfg.model
-_m.d_model, _m.num_layers, _m.d_ff, _m.num_heads, _m.num_kv_heads, _m.head_dim = 32, 2, 64, 2, 2, 16
-_m.attention = "dense"
-_cfg.rollout.slots, _cfg.rollout.max_len, _cfg.rollout.prefill_chunk = 4, 64, 16
-SPEC = build_specs(_cfg).rollout
-CELLS = gmesh.make_cells(2)  # 8 fake devices -> 4 cells of 2
-_, STATE = gdec.init_sharded(SPEC.model, 0, CELLS[0], "rollout")
-# O(1) logits (tied embedding x 30): greedy ties cannot flip on rounding differences
-STATE = jax.tree_util.tree_map_with_path(
-    lambda p, x: x * 30.0 if "embed" in jax.tree_util.keystr(p) else x, STATE
-)
 
 
 def make_request(i, prompt_len, new, temperature=1.0, stop=()):
@@ -37,8 +20,9 @@ def make_request(i, prompt_len, new, temperature=1.0, stop=()):
     return GenerateRequest(f"exec{i}", i, prompt, new, tuple(stop), temperature)
 
 
-def new_proxy(cells):
-    return Proxy([Engine(SPEC, c, STATE) for c in cells])
+def new_proxy(cells, kv_tokens=0):
+    spec = dataclasses.replace(SPEC, kv_tokens=kv_tokens)  # same programs: kv is accounting
+    return Proxy([Engine(spec, c, STATE) for c in cells])
 
 
 async def drive(proxy, requests, actions=None, max_pumps=500):
@@ -146,10 +130,12 @@ def test_run_loop_serves_concurrent_callers_and_prefers_the_same_cell():
 class HandOver(RuleBasedStateMachine):
     """Random submits, pumps, releases and admits over 4 cells of 2 devices (8 devices)."""
 
+    kv_tokens = 0  # each cell's KV pool (0: slots * max_len)
+
     def __init__(self):
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.proxy = new_proxy(CELLS)
+        self.proxy = new_proxy(CELLS, self.kv_tokens)
         self.requests, self.tasks = [], []
 
     def spin(self):
@@ -191,6 +177,11 @@ class HandOver(RuleBasedStateMachine):
         assert self.proxy.stats["finished"] == done
         assert len(self.proxy.calls) + done == len(self.tasks)
 
+    @invariant()
+    def pools_within_budget(self):
+        for e in self.proxy.engines.values():
+            assert e.pool()["reserved_tokens"] <= e.budget
+
     def teardown(self):
         for cell in range(len(CELLS)):
             self.proxy.admit(cell)
@@ -212,6 +203,22 @@ class HandOver(RuleBasedStateMachine):
 TestHandOver = HandOver.TestCase
 TestHandOver.settings = settings(
     max_examples=25,
+    stateful_step_count=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class HandOverTightPool(HandOver):
+    """The same over pools of 60 tokens (requests reserve up to 49): admission waits and
+    evictions interleave with hand-overs."""
+
+    kv_tokens = 60
+
+
+TestHandOverTightPool = HandOverTightPool.TestCase
+TestHandOverTightPool.settings = settings(
+    max_examples=20,
     stateful_step_count=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 
 from gyre import mesh
 from gyre.agent.context import AgentSettings
+from gyre.elastic import calibration
 from gyre.elastic.policy import PolicyParams
 from gyre.envs.base import Environment
 from gyre.envs.registry import EnvSpec, make_env
@@ -41,6 +43,16 @@ def _pick(cls, section, **extra):
     """``cls`` from the keys of a config section that are fields of ``cls`` (plus ``extra``)."""
     names = {f.name for f in dataclasses.fields(cls)} - set(extra)
     return cls(**{k: section[k] for k in section.keys() if k in names}, **extra)
+
+
+def _seed_train_tps(name: str) -> float:
+    """Train tokens/s of one cell in the calibration ``name``: the policy's figure until the
+    run has timed its own micro-batches."""
+    try:
+        tps = calibration.load(name).train_tokens_per_s()
+    except ValueError as e:
+        raise ConfigError(f"config key 'scheduler.calibration': {e}") from e
+    return tps if math.isfinite(tps) else 1e9
 
 
 def build_specs(cfg) -> Specs:
@@ -95,11 +107,14 @@ def build_specs(cfg) -> Specs:
             run=_pick(RunSpec, cfg.run, policy=cfg.scheduler.policy,
                       handover=cfg.scheduler.handover, switch_cost_s=cfg.scheduler.switch_cost_s,
                       checkpoint_every=cfg.train.checkpoint_every,
-                      keep_checkpoints=cfg.train.keep_checkpoints, seed=cfg.seed),  # fmt: skip
+                      keep_checkpoints=cfg.train.keep_checkpoints, seed=cfg.seed,
+                      seed_train_tps=_seed_train_tps(cfg.scheduler.calibration)),  # fmt: skip
             eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.eval.temperature, cfg.seed),
             sft=SftSpec(recipe, cfg.sft.steps, cfg.sft.target_accuracy, cfg.sft.eval_every,
                         max(cfg.eval.tasks, 16), cfg.sft.dir),  # fmt: skip
         )
+    except ConfigError:
+        raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
 

@@ -24,12 +24,21 @@ import asyncio
 import collections
 import time
 
+import jax
+import numpy as np
+
 from gyre.agent.harness import run_execution
 from gyre.elastic import policy as policies
 from gyre.rl import evaluation
 from gyre.rl.evaluation import Notifying
+from gyre.rl.measure import RunFigures
 from gyre.rl.progress import RoleTimeline, TraceWriter
 from gyre.rl.work import StepRecord, StepWork, step_tasks
+
+# Pool counters that only grow (gyre/rollout/proxy.py, Proxy.kv_stats): rows carry each
+# step's share of them.
+KV_CUMULATIVE = ("kv_evictions", "kv_evicted_tokens", "kv_reprefilled_tokens", "kv_admissions",
+                 "kv_admission_wait_s", "kv_prompt_tokens", "kv_reused_tokens")  # fmt: skip
 
 
 class Controller:
@@ -53,7 +62,7 @@ class Controller:
         self.timeline = timeline or RoleTimeline(len(rt.cells))
         self.timeline.set_all("rollout")
         self.trace = TraceWriter(rt.path("trace.jsonl"), self.specs.agent.max_seconds)
-        self.counters = collections.Counter()  # dispatched, finished
+        self.counters = collections.Counter()  # dispatched, started, finished
         self.handovers = collections.Counter()
         self.steps: dict[int, StepWork] = {}
         self.next_step = self.trainer.version  # one optimizer step per RL step
@@ -62,6 +71,10 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         self._rr = 0
         self.on_progress = on_progress or (lambda: None)
+        run = self.specs.run
+        self.figures = RunFigures(len(rt.cells), run.seed_train_tps, run.switch_cost_s)
+        self.gate: asyncio.Semaphore | None = None  # agent.concurrency executions at a time
+        self._kv_before = self.proxy.kv_stats()  # cumulative pool counters at the last step
 
     def progress(self) -> None:
         """Something finished: a decision point for the loop, a beat for the watchdog."""
@@ -79,23 +92,24 @@ class Controller:
     # ------------------------------------------------------------------ policy and roles
 
     def snapshot(self) -> policies.LoadSnapshot:
+        """The policy's view, every figure measured (gyre/rl/measure.py, the KV pools)."""
         # Only the oldest step's micro-batches are trainable now (see train_one).
         oldest = self.steps[min(self.steps)] if self.steps else None
-        k, run = len(self.roles), self.specs.run
+        run = self.specs.run
         engines = self.proxy.engines  # by cell index
         live = tuple(engines[i].num_live if r == "rollout" else 0
                      for i, r in enumerate(self.roles))  # fmt: skip
         return policies.LoadSnapshot(
             roles=tuple(self.roles),
             dispatched=self.counters["dispatched"],
-            started=self.counters["dispatched"],
+            started=self.counters["started"],
             finished=self.counters["finished"],
             live_requests=live,
             train_queue_tokens=oldest.queued_tokens if oldest else 0.0,
-            rollout_capacity=(float(self.specs.rollout.slots),) * k,
-            train_throughput=(1.0,) * k,
-            switch_r2t_s=run.switch_cost_s,
-            switch_t2r_s=run.switch_cost_s,
+            rollout_capacity=self.proxy.capacity_contexts(),
+            train_throughput=self.figures.train_throughput(),
+            switch_r2t_s=self.figures.switch_r2t_s,
+            switch_t2r_s=self.figures.switch_t2r_s,
             step=self.next_step,
             weight_version=self.trainer.version,
             total_steps=run.steps,
@@ -107,10 +121,16 @@ class Controller:
             if role == self.roles[i]:
                 continue
             self.timeline.switch(i, "switch")
+            t0 = time.perf_counter()
             if role == "train":
                 self.handovers.update(self.proxy.release(i, self.specs.run.handover))
+                jax.block_until_ready([e.cache for e in self.proxy.engines.values()])
+                self.figures.record_switch("r2t", time.perf_counter() - t0)
             else:
                 self.proxy.admit(i, self.trainer.params, self.trainer.version)
+                engine = self.proxy.engines[i]
+                jax.block_until_ready((engine.state, engine.cache))  # the weights are loaded
+                self.figures.record_switch("t2r", time.perf_counter() - t0)
             self.roles[i] = role
             self.timeline.switch(i, role)
 
@@ -143,10 +163,12 @@ class Controller:
         client = Notifying(self.proxy, self.progress)
 
         async def one(k: int):
-            start = self.timeline.now()
-            # Sample k's id '<task>/<k>#0' keys its sampling: unique, and the same on resume.
-            res = await run_execution(self.rt.env, task, client, self.specs.agent,
-                                      f"{task.task_id}/{k}#0")  # fmt: skip
+            async with self.gate:  # at most agent.concurrency executions run at once
+                self.counters["started"] += 1
+                start = self.timeline.now()
+                # Sample k's id '<task>/<k>#0' keys its sampling: unique, and the same on resume.
+                res = await run_execution(self.rt.env, task, client, self.specs.agent,
+                                          f"{task.task_id}/{k}#0")  # fmt: skip
             self.counters["finished"] += 1
             self.trace.record(res, work.step, group, start, self.timeline.now())
             self.progress()
@@ -169,8 +191,11 @@ class Controller:
         part, mb = work.queue.popleft()
         cell = cells[self._rr % len(cells)]
         self._rr += 1
-        t0 = time.time()
-        work.grads.append((part, self.trainer.compute_grads(cell, mb)))
+        t0, tick = time.time(), self.figures.clock()
+        res = self.trainer.compute_grads(cell, mb)
+        work.grads.append((part, res))
+        self.figures.time_microbatch(cell.index, float(np.sum(mb.arrays["w"] > 0)), res.metrics,
+                                     tick)  # fmt: skip
         self.timeline.busy(cell.index, time.time() - t0)
         self.progress()
         if self.after_microbatch is not None:
@@ -186,7 +211,21 @@ class Controller:
             work.step, self.trainer.version, work.version_at_dispatch,
             time.time() - work.dispatched_at, work.results, work.reports, outcome,
             self.timeline.fractions(), dict(self.handovers), self.proxy.prefix_hit_rate(),
+            self._kv_figures(),
         )  # fmt: skip
+
+    def _kv_figures(self) -> dict:
+        """The KV pools since the last step (cumulative counters as differences), their
+        current state, and the figures the policy used."""
+        now = self.proxy.kv_stats()
+        out = {k: v - self._kv_before[k] if k in KV_CUMULATIVE else v for k, v in now.items()}
+        self._kv_before = now
+        waits = out["kv_admissions"]
+        out["kv_admission_wait_mean_s"] = out["kv_admission_wait_s"] / waits if waits else 0.0
+        out["policy_train_tokens_per_s"] = sum(self.figures.train_throughput()) / len(self.roles)
+        out["policy_switch_r2t_s"] = self.figures.switch_r2t_s
+        out["policy_switch_t2r_s"] = self.figures.switch_t2r_s
+        return out
 
     # ------------------------------------------------------------------ evaluation
 
@@ -208,6 +247,7 @@ class Controller:
         """Runs until run.steps optimizer steps exist, or a requested stop after a step;
         ``await on_step(record)`` after each step. -> whether every step ran."""
         self.wake = asyncio.Event()
+        self.gate = asyncio.Semaphore(self.specs.agent.concurrency)
         pump = self._start(self.proxy.run())
         steps = self.specs.run.steps
         try:
@@ -239,6 +279,7 @@ class Controller:
                 self.wake.clear()
                 await self.wake.wait()
         finally:
+            self.figures.close()
             for task in [pump, *self._tasks]:
                 task.cancel()
         return True

@@ -34,6 +34,9 @@ class RunSpec:
     keep_checkpoints: int = 2
     seed: int = 0
     watchdog_s: float = 1800.0  # abort when nothing progresses this long; 0 = off
+    # train tokens/s one cell is assumed to do until the run measures its own
+    # (scheduler.calibration); the switch cost's seed is switch_cost_s
+    seed_train_tps: float = 1000.0
 
     def __post_init__(self):
         names = ("steps", "tasks_per_step", "samples_per_task", "checkpoint_every",

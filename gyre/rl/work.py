@@ -80,6 +80,7 @@ class StepRecord:
     role_fractions: dict
     handovers: dict
     prefix_hit_rate: float
+    kv: dict = dataclasses.field(default_factory=dict)  # the step's KV-pool figures (kv_*)
 
     @property
     def execution_ids(self) -> list[str]:
@@ -139,4 +140,5 @@ def step_metrics(record: StepRecord, reward: str = "partial") -> dict:
     m.update({f"role_{k}": v for k, v in record.role_fractions.items()})
     m.update({f"handover_{k}": v for k, v in record.handovers.items()})
     m["prefix_hit_rate"] = record.prefix_hit_rate
+    m.update(record.kv)
     return m

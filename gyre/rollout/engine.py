@@ -1,4 +1,4 @@
-"""Rollout engine: one per rollout cell, a slot KV cache and continuous batching.
+"""Rollout engine: one per rollout cell, a slot KV cache, a KV token pool, continuous batching.
 
 The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k','v'}: [L, S, M, KVH, Dh],
 slots over the cell's 'data' axis via logical 'batch', kv heads over 'model'). Two jit
@@ -10,9 +10,31 @@ asyncio. Between two steps requests join and leave slots, weights change
 (:meth:`Engine.set_weights`) and live requests move to other cells (:meth:`Engine.export`,
 :meth:`Engine.import_`, :meth:`Engine.cancel`).
 
-Multi-turn reuse: a finished slot keeps its tokens' KV (LRU). A new prompt goes to the idle
+Multi-turn reuse: a finished slot keeps its tokens' KV as an idle *context* of its execution
+(an execution waiting on a tool keeps its context resident). A new prompt goes to the idle
 slot with the longest common token prefix, the slot is rewound to that prefix and only the
-suffix is prefilled (a retry resuming from an earlier point is the same rewind).
+suffix is prefilled (a retry resuming from an earlier point is the same rewind). Another
+execution's context counts for that choice only when the new prompt extends all of it;
+otherwise empty slots come first, then the least recently used context.
+
+KV pool. Each cell has a budget of ``budget`` tokens (``rollout.kv_tokens``; 0 = derived, see
+:func:`pool_budget`). Its charge: a live request reserves its :func:`footprint` (prompt +
+``max_new`` - 1: every token its slot can come to hold, the last sampled token is never fed
+back) from admission to its end; an idle context costs its cached length. Admission rule:
+a queued request enters a slot only when the live reservations plus its own fit the budget;
+idle contexts are then evicted, least recently used first, until live reservations plus
+idle lengths fit again. So the pool never overflows mid-decode, and a request that does not
+fit waits (FIFO: in the engine's queue, or in the proxy, which submits only what
+:meth:`Engine.can_admit`). A request whose footprint exceeds the whole budget is a
+ValueError at submission. An evicted execution that comes back prefills again what was
+lost (``reprefilled_tokens``).
+
+What the pool models and what it does not: memory is still allocated as ``slots`` x
+``max_len`` (fixed shapes, one compile); the budget is an accounting cap that admits and evicts
+the way a paged pool of that many tokens would, so a run can measure the effect of a smaller
+pool (evictions, re-prefill, admission waits) exactly and deterministically. It does not
+share prefix blocks between slots (a context reused by another execution is cut, not
+shared), nor fragment: a slot is one contiguous context.
 
 Weight updates keep in-flight requests: KV computed by an older version stays in the cache
 (standard practice); each completion token records the version whose logits sampled it.
@@ -23,17 +45,73 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
+from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from gyre import mesh as gmesh
 from gyre.rollout.programs import Programs, RolloutSpec, programs_for
 from gyre.rollout.types import GenerateRequest, GenerateResponse
 
+# Share of each device's memory kept out of a derived KV budget (activations, compiler scratch).
+KV_RESERVE = 0.1
+# Evicted contexts remembered per engine (for re-prefill accounting), oldest forgotten first.
+EVICTED_RECORDS = 1024
+
+
+def request_name(request: GenerateRequest) -> str:
+    return f"request (execution {request.execution_id!r}, call {request.call_id})"
+
+
+def footprint(request: GenerateRequest, max_len: int) -> int:
+    """KV tokens a request's slot can come to hold: its prompt and every completion token but the
+    last (which is returned, never fed back), with the completion capped so it fits ``max_len``."""
+    p = len(request.prompt)
+    return p + min(request.max_new_tokens, max_len - p) - 1
+
+
+def kv_budget_tokens(
+    device_bytes: float, weight_bytes: float, reserve_bytes: float, bytes_per_token: float
+) -> int:
+    """Tokens of K/V that fit in a device's memory after the weights and a reserve (>= 0)."""
+    if bytes_per_token <= 0:
+        raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
+    return max(0, int((device_bytes - weight_bytes - reserve_bytes) // bytes_per_token))
+
+
+def _shard_bytes(x) -> int:
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def pool_budget(kv_tokens: int, cache, state, devices) -> int:
+    """A cell's KV budget in tokens, at most ``slots * max_len`` (what the cache holds).
+
+    ``kv_tokens`` > 0: that many. 0: where every device reports its memory
+    (``memory_stats()['bytes_limit']``), the tokens that fit in the smallest device after its
+    shard of the rollout weights and ``KV_RESERVE`` of its memory (per device: the cache rows
+    of one data shard, so x the number of data shards); on CPU (no memory figure): slots *
+    max_len. The trainer's state on a cell that also trains is not subtracted.
+    """
+    k = cache["k"]  # [L, S, M, KVH, Dh]
+    slots, max_len = k.shape[1], k.shape[2]
+    physical = slots * max_len
+    if kv_tokens > 0:
+        return min(kv_tokens, physical)
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if not limits or any(b is None for b in limits):
+        return physical
+    shard = k.sharding.shard_shape(k.shape)
+    per_token = 2 * _shard_bytes(k) // (shard[1] * shard[2])  # k and v rows of one token
+    weights = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
+    per_device = kv_budget_tokens(min(limits), weights, KV_RESERVE * min(limits), per_token)
+    return min(physical, per_device * (slots // shard[1]))
+
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_len: int) -> np.ndarray:
     """-> the prompt as int32[P]; raises ValueError naming the request for unusable input."""
-    name = f"request (execution {request.execution_id!r}, call {request.call_id})"
+    name = request_name(request)
     prompt = np.asarray(request.prompt)
     if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
         raise ValueError(f"{name}: prompt must be a non-empty 1-D integer array, got {prompt!r}")
@@ -66,6 +144,11 @@ class Live:
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
 
+    @property
+    def reserve(self) -> int:
+        """Pool tokens held from admission to the end: see :func:`footprint`."""
+        return self.prompt.size + self.max_new - 1
+
     def response(self, reason: str) -> GenerateResponse:
         return GenerateResponse(
             np.asarray(self.tokens, np.int32),
@@ -83,6 +166,12 @@ class Slot:
         self.length = 0
         self.live: Live | None = None
         self.last_used = -1
+        self.owner: str | None = None  # execution whose context the slot holds
+
+    @property
+    def charge(self) -> int:
+        """Pool tokens: a live request's reservation, an idle context's cached length."""
+        return self.live.reserve if self.live is not None else self.length
 
     @property
     def held(self) -> np.ndarray:
@@ -109,7 +198,21 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class Engine:
-    """Continuous-batching inference of ``spec`` on one cell."""
+    """Continuous-batching inference of ``spec`` on one cell, over a KV pool of ``budget`` tokens.
+
+    ``stats`` counters (cumulative, never reset; the proxy sums them over cells):
+    prompt_tokens and reused_tokens (prompt tokens admitted / served from cached KV),
+    generated, prefill_chunks, decode_steps, imported, admitted (requests placed in a slot from
+    the queue), evictions (idle contexts dropped: to free budget for an admission or import,
+    or their slot taken by another execution whose prompt does not extend them; a rewind of the
+    execution's own context, new weights and a suspend are not evictions), evicted_tokens
+    (cached tokens those evictions dropped) and reprefilled_tokens: when a call of an execution
+    is placed on this cell after one of its contexts was evicted here, the prompt tokens (bar
+    the last) that the evicted context had held and that the placement could not reuse,
+    ``max(0, min(common prefix of prompt and evicted context, P - 1) - reused)``; once per
+    eviction record (the latest per execution, ``EVICTED_RECORDS`` kept). A call that comes
+    back on another cell counts nothing here.
+    """
 
     def __init__(self, spec: RolloutSpec, cell: gmesh.Cell, state, version: int = 0):
         r = spec
@@ -123,8 +226,12 @@ class Engine:
         self._clock = itertools.count()
         self.queue: collections.deque[Live] = collections.deque()
         self.stats = collections.Counter()
+        self.recent: collections.deque[int] = collections.deque(maxlen=4 * r.slots)
+        self.evicted: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.on_admit: Callable[[int], None] | None = None  # called with a rid at admission
         self.cache = None
         self.resume()
+        self.budget = pool_budget(r.kv_tokens, self.cache, self.state, cell.devices)
 
     # ------------------------------------------------------------------ lifecycle and weights
 
@@ -132,6 +239,7 @@ class Engine:
         """(Re)allocates an empty cache; optionally installs weights."""
         self.cache = self.programs.new_cache()
         self.slots = [Slot(self.max_len) for _ in range(self.num_slots)]
+        self.evicted.clear()
         if state is not None:
             self.set_weights(state, self.version if version is None else version)
 
@@ -159,19 +267,82 @@ class Engine:
                 f"cell {self.cell.index}: suspend with {self.num_live} live requests"
             )
         self.cache, self.slots = None, []
+        self.evicted.clear()
 
     def set_weights(self, state, version: int) -> None:
         """Installs new weights between steps; in-flight requests continue with them.
 
         Idle slots forget their cached prefixes: that K/V came from the old weights, and
         reusing it would make a later request's tokens depend on which weights served an
-        unrelated earlier one.
+        unrelated earlier one. (Not evictions: every cell forgets them alike.)
         """
         self.state = gmesh.move(state, self.programs.state_sh)
         self.version = int(version)
         for slot in self.slots:
             if slot.live is None:
-                slot.length = 0
+                slot.length, slot.owner = 0, None
+        self.evicted.clear()
+
+    # ------------------------------------------------------------------ the KV pool
+
+    def _live_reserved(self) -> int:
+        return sum(s.live.reserve for s in self.slots if s.live is not None)
+
+    def room(self) -> int:
+        """Tokens a new request may still reserve: the budget less the reservations of live and
+        queued requests (idle contexts count as free: they are evicted on demand)."""
+        return self.budget - self._live_reserved() - sum(lv.reserve for lv in self.queue)
+
+    def can_admit(self, request: GenerateRequest) -> bool:
+        """True when ``request`` submitted now is placed at the next step (a slot and room)."""
+        return self.free_slots() > 0 and footprint(request, self.max_len) <= self.room()
+
+    def capacity_contexts(self) -> float:
+        """Requests the pool holds at once at their recent size: min(slots, budget / mean
+        footprint of the last 4 x slots admissions on this cell); slots before any."""
+        if not self.recent:
+            return float(self.num_slots)
+        return min(float(self.num_slots), self.budget * len(self.recent) / sum(self.recent))
+
+    def pool(self) -> dict:
+        """Current figures: budget, reserved (live reservations + idle lengths, <= budget),
+        resident tokens (cached lengths) and contexts (live slots + idle slots holding tokens),
+        queued requests, capacity_contexts."""
+        live = sum(s.live is not None for s in self.slots)
+        idle = sum(s.live is None and s.length > 0 for s in self.slots)
+        return {
+            "budget_tokens": self.budget,
+            "reserved_tokens": sum(s.charge for s in self.slots),
+            "resident_tokens": sum(s.length for s in self.slots),
+            "resident_contexts": live + idle,
+            "live_contexts": live,
+            "idle_contexts": idle,
+            "queued": len(self.queue),
+            "capacity_contexts": self.capacity_contexts(),
+        }
+
+    def _evict(self, slot: Slot, keep: int = 0) -> None:
+        """Drops an idle context past its first ``keep`` tokens, remembering what it held."""
+        if slot.owner is not None:
+            self.evicted[slot.owner] = slot.held.copy()
+            self.evicted.move_to_end(slot.owner)
+            while len(self.evicted) > EVICTED_RECORDS:
+                self.evicted.popitem(last=False)
+        self.stats["evictions"] += 1
+        self.stats["evicted_tokens"] += slot.length - keep
+        slot.length, slot.owner = keep, None
+
+    def _make_room(self, need: int, target: Slot) -> None:
+        """Evicts idle contexts but ``target``'s, least recently used first, until every other
+        slot's charge plus ``need`` (``target``'s reservation) fits the budget."""
+        used = need + sum(s.charge for s in self.slots if s is not target)
+        idle = [s for s in self.slots if s.live is None and s.length and s is not target]
+        for s in sorted(idle, key=lambda s: s.last_used):
+            if used <= self.budget:
+                break
+            used -= s.length
+            self._evict(s)
+        assert used <= self.budget, "admitted past the KV budget"
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -186,10 +357,18 @@ class Engine:
         return [lv.rid for lv in self.queue] + [s.live.rid for s in self.slots if s.live]
 
     def submit(self, request: GenerateRequest, rid: int | None = None) -> int:
-        """Queues a request (joins a slot at the next step); raises ValueError for bad input."""
+        """Queues a request (joins a slot at the first step with a slot and room for it);
+        raises ValueError for bad input and for a request larger than the whole pool."""
         prompt = validate_request(request, self.vocab_size, self.max_len)
         temp = self.temperature if request.temperature is None else float(request.temperature)
         max_new = min(request.max_new_tokens, self.max_len - prompt.size)
+        need = prompt.size + max_new - 1
+        if need > self.budget:
+            raise ValueError(
+                f"{request_name(request)}: needs {need} KV tokens (prompt {prompt.size} + "
+                f"{max_new} new - 1) but the KV pool of cell {self.cell.index} holds "
+                f"{self.budget} (rollout.kv_tokens)"
+            )
         rid = next(self._rids) if rid is None else rid
         self.queue.append(Live(rid, request, prompt, temp, max_new))
         return rid
@@ -210,6 +389,7 @@ class Engine:
             self.queue.remove(lv)
         else:
             self.slots[i].live = None
+            self.slots[i].last_used = next(self._clock)
         return lv
 
     def export(self, rid: int) -> SlotExport:
@@ -223,39 +403,66 @@ class Engine:
         return SlotExport(lv, self.slots[i].held.copy(), rows)
 
     def import_(self, exp: SlotExport) -> None:
-        """Installs an exported request into an idle slot (its rows cross with device_put)."""
+        """Installs an exported request into an idle slot (its rows cross with device_put).
+
+        It reserves its footprint like an admission (evicting idle contexts LRU); the caller
+        checks :meth:`can_admit` first (RuntimeError when there is no slot or room).
+        """
         if exp.rows is None:
             self.queue.append(exp.live)
             return
+        lv, me = exp.live, exp.live.request.execution_id
         idle = [i for i, s in enumerate(self.slots) if s.live is None]
-        if len(idle) <= len(self.queue):
-            raise RuntimeError(f"cell {self.cell.index}: no free slot to import request")
-        i = min(idle, key=lambda j: self.slots[j].last_used)
+        if len(idle) <= len(self.queue) or lv.reserve > self.room():
+            raise RuntimeError(f"cell {self.cell.index}: no free slot or KV room to import request")
+        i = max(idle, key=lambda j: (self.slots[j].length == 0, -self.slots[j].last_used))
+        slot = self.slots[i]
+        if slot.length and slot.owner != me:
+            self._evict(slot)
+        slot.length = 0
+        self._make_room(lv.reserve, slot)
         rows = gmesh.move(exp.rows, self.programs.rows_sh)
         self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
-        slot = self.slots[i]
         slot.write(0, exp.held)
-        slot.live, slot.last_used = exp.live, next(self._clock)
+        slot.live, slot.owner, slot.last_used = lv, me, next(self._clock)
+        self.evicted.pop(me, None)
         self.stats["imported"] += 1
 
     # ------------------------------------------------------------------ one step
 
     def _place(self, lv: Live) -> bool:
-        """Puts a queued request into the idle slot sharing its longest prefix (LRU on ties)."""
-        best, best_key = None, None
-        for i, s in enumerate(self.slots):
-            if s.live is None:
-                reuse = min(common_prefix(lv.prompt, s.held), lv.prompt.size - 1)
-                key = (reuse, -s.last_used)
-                if best_key is None or key > best_key:
-                    best, best_key = i, key
-        if best is None:
+        """Admits a queued request when a slot is idle and live reservations + its own fit the
+        budget -> False to wait. Slot: longest reusable prefix (another execution's context
+        only when the prompt extends all of it), then empty, then least recently used. Then
+        idle contexts are evicted LRU until the pool fits (see the module docstring)."""
+        idle = [i for i, s in enumerate(self.slots) if s.live is None]
+        if not idle or self._live_reserved() + lv.reserve > self.budget:
             return False
-        reuse = best_key[0]
+        me = lv.request.execution_id
+        best, best_key, reuse = None, None, 0
+        for i in idle:
+            s = self.slots[i]
+            r = min(common_prefix(lv.prompt, s.held), lv.prompt.size - 1)
+            lossless = s.owner == me or r == s.length
+            key = (r if lossless else 0, s.length == 0, -s.last_used)
+            if best_key is None or key > best_key:
+                best, best_key, reuse = i, key, r
         slot = self.slots[best]
-        slot.length, slot.live, slot.last_used = reuse, lv, next(self._clock)  # rewind
+        if slot.length > reuse and slot.owner != me:
+            self._evict(slot, keep=reuse)  # another execution's context: cut to the shared prefix
+        slot.length = reuse  # rewind
+        self._make_room(lv.reserve, slot)
+        record = self.evicted.pop(me, None)
+        if record is not None:
+            lost = min(common_prefix(lv.prompt, record), lv.prompt.size - 1)
+            self.stats["reprefilled_tokens"] += max(0, lost - reuse)
+        slot.live, slot.owner, slot.last_used = lv, me, next(self._clock)
         self.stats["prompt_tokens"] += lv.prompt.size
         self.stats["reused_tokens"] += reuse
+        self.stats["admitted"] += 1
+        self.recent.append(lv.reserve)
+        if self.on_admit is not None:
+            self.on_admit(lv.rid)
         return True
 
     def _record(self, slot: Slot, token: int, logprob: float, done: list) -> None:

@@ -29,11 +29,17 @@ class RolloutSpec:
     temperature: float = 1.0  # default for requests that set none
     top_p: float = 1.0
     seed: int = 0  # sampler base key
+    # KV pool budget per cell in tokens (gyre/rollout/engine.py); 0 = derived: slots * max_len
+    # on CPU, device memory minus weights minus a reserve where the platform reports memory.
+    # Not a shape: the programs ignore it (programs_for drops it from the jit cache key).
+    kv_tokens: int = 0
 
     def __post_init__(self):
         for name in ("slots", "max_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_tokens < 0:
+            raise ValueError(f"rollout.kv_tokens must be >= 0, got {self.kv_tokens}")
 
 
 class Programs:
@@ -98,7 +104,14 @@ class Programs:
         self.new_cache = jax.jit(zeros, out_shardings=self.cache_sh)
 
 
-@functools.lru_cache(maxsize=64)
 def programs_for(spec: RolloutSpec, cell: gmesh.Cell) -> Programs:
-    """Programs of ``cell`` for ``spec``, shared by every engine built for the same pair."""
+    """Programs of ``cell`` for ``spec``, shared by every engine built for the same pair.
+
+    Engines that differ only in their KV budget (``kv_tokens``, host-side accounting) share them.
+    """
+    return _programs_for(dataclasses.replace(spec, kv_tokens=0), cell)
+
+
+@functools.lru_cache(maxsize=64)
+def _programs_for(spec: RolloutSpec, cell: gmesh.Cell) -> Programs:
     return Programs(spec, cell)

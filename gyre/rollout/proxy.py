@@ -1,22 +1,31 @@
 """Model-call proxy: routes requests to rollout cells and hands live requests over.
 
 ``await proxy.generate(request)`` is the harness's only entry point. Requests wait in the proxy
-until a rollout cell has a free slot; the cell is chosen by load (most free slots, lowest
-index on ties), except that a call goes back to the cell that served its execution last when
-that cell has room, so multi-turn prompts hit that cell's cached prefix.
+(FIFO) until a rollout cell can admit the head one: a free slot and room in its KV pool for the
+request's footprint, prompt + max new tokens - 1 (see gyre/rollout/engine.py: idle contexts
+count as room, the cell evicts them least recently used). The cell is chosen by load (most
+free slots, then most pool room, lowest index on ties), except that a call goes back to the
+cell that served its execution last when that cell can admit it, so multi-turn prompts hit
+that cell's cached prefix (the context its execution left there while waiting on a tool) and
+only the new tokens are prefilled. A request larger than every cell's pool raises ValueError.
 
 ``release(cell, mode)`` (the controller, at a step boundary) takes a cell out of rollout and
 hands every live request on it to the other rollout cells:
 
 - 'migrate': KV rows, length, sampler state (the request identity) and pending token move
-  with ``device_put`` into a free slot of another cell; generation continues bit-exactly.
+  with ``device_put`` into a free slot of another cell whose pool has room for the request's
+  reservation; generation continues bit-exactly.
 - 'retry': the request is cancelled and re-submitted from its exact token record (prompt +
   tokens generated so far, same execution/call ids, so sampling keys line up); the new
   prefill recomputes that KV. The response concatenates both parts.
 
-A request that cannot migrate (no free slot anywhere, or no rollout cell left) falls back to
-the retry path and waits in the proxy; ``admit(cell)`` brings a cell back. Nothing is lost:
-the caller sees one uninterrupted completion. Bad input raises ValueError in the caller.
+A request that cannot migrate (no cell with a free slot and room, or no rollout cell left)
+falls back to the retry path and waits in the proxy; ``admit(cell)`` brings a cell back.
+Nothing is lost: the caller sees one uninterrupted completion. Bad input raises ValueError in
+the caller.
+
+Pool metrics: :meth:`Proxy.kv_stats` (cumulative counters to diff per step, and current
+values) and :meth:`Proxy.capacity_contexts` (per cell, for the scheduler policy).
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import time
 
 import numpy as np
 
-from gyre.rollout.engine import Engine, validate_request
+from gyre.rollout.engine import Engine, footprint, request_name, validate_request
 from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse
 
 
@@ -41,6 +51,8 @@ class Call:
     future: asyncio.Future
     current: GenerateRequest  # what the engine runs now (a continuation after a retry)
     cell: int | None = None
+    submitted: float = 0.0  # time.perf_counter() at generate()
+    admitted: bool = False  # entered a slot (admission wait counted once per call)
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
@@ -53,6 +65,8 @@ class Proxy:
         if not engines:
             raise ValueError("proxy needs at least one engine")
         self.engines = {e.cell.index: e for e in engines}
+        for e in engines:
+            e.on_admit = self._admitted
         self.rollout = set(self.engines)
         first = engines[0]
         self.vocab_size, self.max_len = first.vocab_size, first.max_len
@@ -69,9 +83,15 @@ class Proxy:
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         """One model call; raises ValueError (naming the request) for unusable input."""
         validate_request(request, self.vocab_size, self.max_len)
+        need, pool = footprint(request, self.max_len), max(e.budget for e in self.engines.values())
+        if need > pool:
+            raise ValueError(
+                f"{request_name(request)}: needs {need} KV tokens (prompt + max new tokens - 1, "
+                f"capped at max_len) but the largest cell KV pool holds {pool} (rollout.kv_tokens)"
+            )
         rid = next(self._rids)
         future = asyncio.get_running_loop().create_future()
-        self.calls[rid] = Call(rid, request, future, request)
+        self.calls[rid] = Call(rid, request, future, request, submitted=time.perf_counter())
         self.waiting.append(rid)
         self._dispatch()
         self._notify()
@@ -116,15 +136,24 @@ class Proxy:
 
     # ------------------------------------------------------------------ routing
 
-    def _pick(self, call: Call, exclude: int | None = None) -> int | None:
-        free = {i: self.engines[i].free_slots() for i in self.rollout if i != exclude}
-        free = {i: n for i, n in free.items() if n > 0}
-        if not free:
+    def _pick(self, call: Call) -> int | None:
+        """A rollout cell that can admit ``call.current`` now (slot and pool room), or None."""
+        ok = [i for i in self.rollout if self.engines[i].can_admit(call.current)]
+        if not ok:
             return None
         sticky = self.affinity.get(call.request.execution_id)
-        if sticky in free:
+        if sticky in ok:
             return sticky
-        return max(free, key=lambda i: (free[i], -i))
+        e = self.engines
+        return max(ok, key=lambda i: (e[i].free_slots(), e[i].room(), -i))
+
+    def _admitted(self, rid: int) -> None:
+        """Engine hook: ``rid`` entered a slot; the first time, its wait since generate()."""
+        call = self.calls.get(rid)
+        if call is not None and not call.admitted:
+            call.admitted = True
+            self.stats["admissions"] += 1
+            self.stats["admission_wait_s"] += time.perf_counter() - call.submitted
 
     def _dispatch(self) -> None:
         while self.waiting:
@@ -228,6 +257,45 @@ class Proxy:
         """Compiles every rollout engine's programs now (start-up), not on the first call."""
         for index in sorted(self.rollout):
             self.engines[index].warmup()
+
+    def capacity_contexts(self) -> tuple[float, ...]:
+        """Per cell index (every cell, in or out of rollout): requests its KV pool holds at once
+        at their recent size, min(slots, budget / mean recent footprint) (Engine.capacity_contexts)."""
+        return tuple(self.engines[i].capacity_contexts() for i in sorted(self.engines))
+
+    def kv_stats(self) -> dict:
+        """The KV pools in one flat dict (names ``kv_*``).
+
+        Cumulative (never reset, summed over every cell; diff them per step): kv_evictions,
+        kv_evicted_tokens, kv_reprefilled_tokens (see :class:`Engine`), kv_admissions and
+        kv_admission_wait_s (calls admitted into a slot, and the seconds from generate() to
+        that first admission summed over them), kv_prompt_tokens, kv_reused_tokens.
+        Current: kv_budget_tokens, kv_capacity_contexts (sums over rollout cells),
+        kv_reserved_tokens, kv_resident_tokens, kv_resident_contexts (sums over every cell; a
+        resident context is a live request's slot or an idle slot holding tokens),
+        kv_resident_contexts_c{i} per cell index, kv_waiting (calls waiting in the proxy)
+        and kv_queued (submitted to an engine, not yet in a slot).
+        """
+        engines = [self.engines[i] for i in sorted(self.engines)]
+        pools = {e.cell.index: e.pool() for e in engines}
+        total = lambda key: sum(p[key] for p in pools.values())
+        out = {
+            f"kv_{k}": sum(e.stats[k] for e in engines)
+            for k in ("evictions", "evicted_tokens", "reprefilled_tokens", "prompt_tokens",
+                      "reused_tokens")
+        }  # fmt: skip
+        out["kv_admissions"] = self.stats["admissions"]
+        out["kv_admission_wait_s"] = float(self.stats["admission_wait_s"])
+        out["kv_budget_tokens"] = sum(pools[i]["budget_tokens"] for i in self.rollout)
+        out["kv_capacity_contexts"] = float(
+            sum(pools[i]["capacity_contexts"] for i in self.rollout)
+        )
+        for key in ("reserved_tokens", "resident_tokens", "resident_contexts", "queued"):
+            out[f"kv_{key}"] = total(key)
+        out["kv_waiting"] = len(self.waiting)
+        for i, p in pools.items():
+            out[f"kv_resident_contexts_c{i}"] = p["resident_contexts"]
+        return out
 
     def prefix_hit_rate(self) -> float:
         """Prompt tokens served from cached KV / prompt tokens, over every engine."""
