@@ -1,6 +1,6 @@
 """Scenarios shaped after the QwenGyre paper's end-to-end table, for the cluster simulator.
 
-Run:  python benchmarks/paper_table.py            (all scenarios, < 2 min on CPU)
+Run:  python benchmarks/paper_table.py            (all scenarios, about 3.5 min on CPU)
       python benchmarks/paper_table.py --steps 4  (a quick look)
 
 Every number that is not a figure reported by the paper is an assumption, listed in the

@@ -35,6 +35,16 @@ class CostModel:
     checkpoint_s: float = 0.0  # per optimizer step, after optimizer_s + publish_s
     shared_cores: bool = False  # all cells share one processor (see the module docstring)
     pack_by_group: bool = False  # micro-batches per finished task group, like the controller
+    # The engine's memory and the costs that grow with context (all off by default; see sim.py).
+    kv_capacity_tokens: float = 0.0  # KV pool of one cell in tokens; 0 = no memory model
+    kv_bytes_per_token: float = 0.0  # KV bytes of one token (what a migration moves)
+    link_bytes_per_s: float = 0.0  # one cell's bandwidth to another (KV migration)
+    handover_migrate: bool = False  # memory model: hand resident contexts over by KV migration
+    mixed_chunk: int = 0  # > 0: prefill in chunks of this many tokens alongside decode steps
+    prefill_per_ctx_token_s: float = 0.0  # attention: per new token per context token before it
+    train_per_ctx_token_s: float = 0.0  # attention in training: per token per context token
+    weight_load_s: float = 0.0  # a rollout cell pauses this long to load new weights
+    reduce_s: float = 0.0  # gradient bytes of one cell / link: ring all-reduce = 2(n-1)/n x this
     source: str = ""
 
     def decode_step_s(self, batch: int, ctx_sum: float) -> float:
@@ -44,12 +54,41 @@ class CostModel:
             + self.decode_per_ctx_token_s * ctx_sum
         )
 
-    def prefill_s(self, tokens: float) -> float:
-        """Seconds to prefill ``tokens`` uncached prompt tokens of one call."""
+    def prefill_s(self, tokens: float, cached: float = 0.0) -> float:
+        """Seconds to prefill ``tokens`` uncached prompt tokens after ``cached`` ones in KV.
+
+        Linear per token, plus attention: each new token attends to the cached context and
+        the new tokens before it, ``prefill_per_ctx_token_s * tokens * (cached + tokens / 2)``
+        (quadratic in the context when nothing is cached).
+        """
+        attention = self.prefill_per_ctx_token_s * tokens * (cached + tokens / 2)
         if self.prefill_chunk <= 0:
-            return self.prefill_call_s + tokens * self.prefill_per_token_s
+            return self.prefill_call_s + tokens * self.prefill_per_token_s + attention
         chunks = max(1, math.ceil(tokens / self.prefill_chunk - 1e-9))
-        return self.prefill_call_s + chunks * self.prefill_chunk * self.prefill_per_token_s
+        return (
+            self.prefill_call_s + chunks * self.prefill_chunk * self.prefill_per_token_s + attention
+        )
+
+    def train_s(self, tokens: float, ctx_tokens: float = 0.0) -> float:
+        """Seconds of one micro-batch of ``tokens`` whose contexts sum to ``ctx_tokens``."""
+        return (
+            self.microbatch_s
+            + tokens * self.train_per_token_s
+            + ctx_tokens * self.train_per_ctx_token_s
+        )
+
+    def allreduce_s(self, cells: int) -> float:
+        """Ring all-reduce of the gradients over ``cells`` train cells: 2 (n - 1) / n x reduce_s."""
+        return 2 * (cells - 1) / cells * self.reduce_s if cells > 1 else 0.0
+
+    def migrate_s(self, tokens: float) -> float:
+        """Seconds to move ``tokens`` of KV from one cell to another."""
+        return tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+    @property
+    def memory(self) -> bool:
+        """Whether the simulator models KV memory (affinity, admission, eviction)."""
+        return self.kv_capacity_tokens > 0
 
     @property
     def step_overhead_s(self) -> float:
@@ -73,19 +112,95 @@ class CostModel:
             decode_per_seq_s=self.decode_per_seq_s * m,
             decode_per_ctx_token_s=self.decode_per_ctx_token_s * m,
             prefill_per_token_s=self.prefill_per_token_s * m,
+            prefill_per_ctx_token_s=self.prefill_per_ctx_token_s * m,
             train_per_token_s=self.train_per_token_s * m,
+            train_per_ctx_token_s=self.train_per_ctx_token_s * m,
             slots=self.slots // m,
             cell_capacity=self.cell_capacity / m,
             microbatch_tokens=max(1, self.microbatch_tokens // m),
+            kv_capacity_tokens=self.kv_capacity_tokens / m,
+            kv_bytes_per_token=self.kv_bytes_per_token * m,
+            mixed_chunk=max(1, self.mixed_chunk // m) if self.mixed_chunk > 0 else 0,
         )
 
     def min_token_work_s(self, ctx: float) -> float:
-        """Least cell-seconds one decoded token can cost: its share of a full-batch step."""
+        """Least cell-seconds one decoded token can cost: its share of a full-batch step.
+
+        With no slot cap (``slots`` 0, memory bounds the batch) the step's base is left out.
+        """
         return (
-            self.decode_base_s / self.slots
+            (self.decode_base_s / self.slots if self.slots > 0 else 0.0)
             + self.decode_per_seq_s
             + self.decode_per_ctx_token_s * ctx
         )
+
+
+def kv_bytes_per_token(
+    layers: int, kv_heads: int, head_dim: int, dtype_bytes: float, tensors: int = 2
+) -> float:
+    """KV bytes of one token: layers x kv heads x head dim x tensors x dtype bytes.
+
+    ``tensors`` is 2 for separate K and V, 1 for a compressed latent shared by both.
+    """
+    return float(layers * kv_heads * head_dim * tensors * dtype_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CellMemory:
+    """One rollout cell's device memory: weights + KV pool + reserve = devices x device bytes.
+
+    The reserve (activations, workspaces, fragmentation) is a fraction of the whole.
+    """
+
+    device_bytes: float  # per device
+    devices: int
+    weight_bytes: float  # one copy of the model, sharded over the cell's devices
+    kv_bytes_per_token: float
+    reserve_fraction: float = 0.1
+
+    @property
+    def total_bytes(self) -> float:
+        return self.device_bytes * self.devices
+
+    @property
+    def kv_pool_bytes(self) -> float:
+        return self.total_bytes * (1 - self.reserve_fraction) - self.weight_bytes
+
+    @property
+    def kv_tokens(self) -> float:
+        """Tokens of KV the cell holds at once."""
+        if self.kv_pool_bytes <= 0 or self.kv_bytes_per_token <= 0:
+            raise ValueError(
+                f"no KV pool: {self.total_bytes / 1e9:.0f} GB per cell, weights "
+                f"{self.weight_bytes / 1e9:.0f} GB, reserve {self.reserve_fraction:.0%}"
+            )
+        return self.kv_pool_bytes / self.kv_bytes_per_token
+
+
+def hardware_engine_fields(spec: dict, memory: CellMemory, link_bytes_per_s: float) -> dict:
+    """CostModel fields of the engine mechanisms, from a ``kind: hardware`` calibration dict.
+
+    KV pool and bytes from ``memory``; attention 4 x layers x attn_dim FLOPs per (token,
+    context token) pair, at the prefill MFU for prefill and 3x at the train MFU for training
+    (whose per-token term then drops calibration.project's fixed mean-context attention);
+    gradient reduction: 2 bytes (bf16) per parameter over one cell's link.
+    """
+    try:
+        hw, model, eff = spec["hardware"], spec["model"], spec["efficiency"]
+        flops = hw["devices_per_cell"] * hw["flops_per_s"]
+        attn = 4 * model["layers"] * model["attn_dim"]
+        linear = model["train_flops_per_param"] * model["active_params"]
+        return dict(
+            kv_capacity_tokens=memory.kv_tokens,
+            kv_bytes_per_token=memory.kv_bytes_per_token,
+            link_bytes_per_s=link_bytes_per_s,
+            prefill_per_ctx_token_s=attn / (flops * eff["prefill_mfu"]),
+            train_per_token_s=linear / (flops * eff["train_mfu"]),
+            train_per_ctx_token_s=3 * attn / (flops * eff["train_mfu"]),
+            reduce_s=2 * model["total_params"] / link_bytes_per_s,
+        )
+    except KeyError as e:
+        raise ValueError(f"hardware calibration lacks field {e}") from e
 
 
 @dataclasses.dataclass
@@ -100,6 +215,10 @@ class SimResult:
     switches: int
     end_counts: dict  # execution_id -> times it ended (1 each if nothing is lost or duplicated)
     step_end_s: list = dataclasses.field(default_factory=list)
+    # evictions, reprefill_tokens (beyond the trace's own), migrated_contexts / _tokens,
+    # dropped_contexts (handed over without room), moved_calls (served off their context's
+    # cell), mean_decode_batch (over decode time), trained_tokens
+    counters: dict = dataclasses.field(default_factory=dict)
 
     @property
     def lower_bound_s(self) -> float:

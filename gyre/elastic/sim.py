@@ -6,20 +6,54 @@ Model (every approximation is one line here, so results can be read against it):
   between events all requests on a cell progress at the same rate (fluid, exact for this
   linear cost). A call's context is taken as prompt + completion / 2 for its whole decode.
 - Prefills run one at a time per cell (FIFO) and pause that cell's decoding meanwhile.
+- Prefilling n tokens after c cached ones costs n x per-token + attention n x (c + n / 2) x
+  per-context-token (``CostModel.prefill_s``; quadratic in the context when nothing is cached).
 - A cell holds at most ``slots`` requests; more wait in one global queue (least-loaded routing).
 - Train cells take micro-batches of the oldest untrained step (streaming: a full micro-batch
   as soon as one is queued, any remainder once the step's rollout is done). When a step's
   tokens are all trained: optimizer step + weight publication, then weight_version += 1.
+- A micro-batch costs fixed + tokens x per-token + (its tokens' summed context) x
+  per-context-token; a token's context is its call's (prompt + completion / 2).
+- The optimizer step waits for a ring all-reduce of the gradients over the n cells that
+  trained the step: 2 (n - 1) / n x ``reduce_s``.
 - A batch of step s is dispatched when the policy allows it; rollout cells serve every
   request regardless of version (staleness is bounded by the dispatch rule).
+- When a new version is published every rollout cell pauses ``weight_load_s`` to load it
+  (after the prefill it is running, if prefill pauses decode); KV stays valid.
 - A cell leaving rollout hands its live requests to the global queue; they re-prefill their
   context on the next cell (``handover_reprefill``) and continue decoding where they were.
-- Execution timeouts are wall-clock from dispatch; a timed-out execution trains on what it made.
+- Execution timeouts are wall-clock from the execution's first admission to a cell (not its
+  dispatch); a timed-out execution trains on what it made.
+
+Memory (``kv_capacity_tokens > 0``; otherwise the prefix cache is global, unlimited and free):
+- A cell holds KV for ``kv_capacity_tokens`` tokens (weights and a reserve already taken out:
+  ``costs.CellMemory``). Decode batch = the cell's live requests; ``slots`` 0 = no other cap.
+- An execution has one resident context on one cell: its latest call's prompt + completion.
+  A request reserves its call's final context (prompt + completion) when admitted (no
+  preemption mid-decode); after the call that context stays resident, idle, until the next.
+- Affinity: a call goes to the cell holding its execution's context if that cell has room
+  (live reservations + its need <= pool), else to the cell with most room (one needing no
+  eviction first); off its context's cell it prefills its whole prompt, not only the new part.
+- Admission: the global queue is FIFO and the head blocks (no overtaking); a request waits
+  until some cell has room.
+- Eviction: admitting evicts idle resident contexts, least recently used first; an evicted
+  execution's next call re-prefills its whole prompt (``counters['reprefill_tokens']``).
+- A cell leaving rollout hands over every resident context, idle ones included: by KV
+  migration (``handover_migrate``: to the cell with most room, idle contexts only where they
+  fit without eviction; the switch lasts longer by the bytes moved / ``link_bytes_per_s``,
+  and moved requests continue at once) or by re-prefill (live requests re-prefill their
+  context so far on their next cell; idle contexts are dropped and re-prefilled on return).
+- The policy's rollout capacity of a cell (executions) is ``cell_capacity`` if set, else the
+  KV pool / the mean expected peak context of the outstanding executions, each taken as the
+  larger of its own largest context so far and the mean peak of those finished (1 if none).
 
 Options for modelling the real engine on one CPU (all off by default):
 - ``prefill_chunk > 0``: prefill runs like the engine's fixed-shape program, in chunks (a
   partial chunk costs a whole one), at least one chunk per call (the engine always re-runs
   the last prompt token for its logits), and the prefill samples the call's first token.
+- ``mixed_chunk > 0``: chunked prefill alongside decode instead of pausing it: each engine
+  step carries one chunk of the running prefill (its cost spread evenly over its chunks) and
+  one token of every decoding request, so a step costs decode step + chunk.
 - ``prefill_call_s`` / ``microbatch_s`` / ``checkpoint_s``: fixed cost per call's prefill, per
   micro-batch (a fixed-shape program) and
   per optimizer step (the checkpoint the controller saves).
@@ -50,9 +84,10 @@ _TOKEN_TOL = 1e-6
 
 
 class _Req:
-    __slots__ = ("ex", "call", "ctx", "prefill", "new", "remaining", "target", "cell", "dead")
+    __slots__ = ("ex", "call", "ctx", "prefill", "new", "remaining", "target", "cell", "dead",
+                 "need", "cached", "fresh")  # fmt: skip
 
-    def __init__(self, ex, call, ctx, prefill, remaining):
+    def __init__(self, ex, call, ctx, prefill, remaining, need=0.0, cached=0.0):
         self.ex, self.call, self.ctx, self.prefill, self.remaining = (
             ex,
             call,
@@ -62,43 +97,41 @@ class _Req:
         )
         self.new = prefill  # the call's own uncached tokens, credited as work once prefilled
         self.target, self.cell, self.dead = 0.0, None, False
+        self.need = need  # KV tokens reserved while live (memory model): prompt + completion
+        self.cached = cached  # tokens already in KV before its prefill (the attention offset)
+        self.fresh = True  # a call not yet decoding: its prefill is set where it is admitted
 
 
 class _Cell:
-    __slots__ = (
-        "i",
-        "role",
-        "switching",
-        "pending_role",
-        "active",
-        "heap",
-        "ctx_sum",
-        "v",
-        "last_t",
-        "prefill_q",
-        "prefilling",
-        "epoch",
-        "micro",
-        "state",
-        "since",
-    )
+    __slots__ = ("i", "role", "switching", "pending_role", "active", "heap", "ctx_sum", "v",
+                 "last_t", "prefill_q", "prefilling", "epoch", "micro", "micro_ctx", "state",
+                 "since", "kv_live", "kv_idle", "idle", "loading", "load_pending", "load_seq",
+                 "pf_step_s", "pf_target")  # fmt: skip
 
     def __init__(self, i, role, now):
         self.i, self.role, self.switching, self.pending_role = i, role, False, None
         self.active, self.heap, self.ctx_sum, self.v, self.last_t = set(), [], 0.0, 0.0, now
         self.prefill_q, self.prefilling, self.epoch, self.micro = collections.deque(), None, 0, None
+        self.micro_ctx = 0.0
         self.state, self.since = (role, "idle"), now
+        # Memory model: reserved by live requests, held by idle contexts (LRU, oldest first).
+        self.kv_live, self.kv_idle, self.idle = 0.0, 0.0, collections.OrderedDict()
+        self.loading, self.load_pending, self.load_seq = False, False, 0
+        self.pf_step_s, self.pf_target = 0.0, 0.0  # mixed_chunk: the running prefill's share
 
     def load(self) -> int:
         return len(self.active) + len(self.prefill_q) + (self.prefilling is not None)
 
 
 class _ExState:
-    __slots__ = ("ex", "start", "call", "req", "tokens", "ended", "started")
+    __slots__ = ("ex", "start", "call", "req", "tokens", "ended", "started", "cell", "held",
+                 "tok_ctx", "peak")  # fmt: skip
 
     def __init__(self, ex, start):
         self.ex, self.start, self.call, self.req = ex, start, 0, None
         self.tokens, self.ended, self.started = 0.0, False, False
+        self.cell, self.held = None, 0.0  # memory model: the cell holding its context, tokens
+        self.tok_ctx, self.peak = 0.0, 0.0  # sum of its tokens' contexts; largest reservation
 
 
 class Simulator:
@@ -118,6 +151,24 @@ class Simulator:
             raise ValueError(
                 f"need num_cells >= 1 and non-empty step batches, got {num_cells} cells"
             )
+        self.mem, self.mixed = cost.memory, cost.mixed_chunk > 0
+        if not self.mem and cost.slots < 1:
+            raise ValueError("slots must be >= 1 without a memory model (kv_capacity_tokens 0)")
+        if cost.handover_migrate and not (
+            self.mem and cost.link_bytes_per_s > 0 and cost.kv_bytes_per_token > 0
+        ):
+            raise ValueError(
+                "handover_migrate needs kv_capacity_tokens, kv_bytes_per_token and "
+                "link_bytes_per_s > 0"
+            )
+        if self.mem:
+            need = max(c.prompt_tokens + c.completion_tokens
+                       for b in steps for ex in b for c in ex.calls)  # fmt: skip
+            if need > cost.kv_capacity_tokens:
+                raise ValueError(
+                    f"a call needs {need} KV tokens but a cell holds "
+                    f"{cost.kv_capacity_tokens:.0f} (kv_capacity_tokens): it could never run"
+                )
         self.steps, self.k, self.name, self.cost, self.params = (
             steps,
             num_cells,
@@ -130,6 +181,8 @@ class Simulator:
         self.cells = [_Cell(i, ROLLOUT, 0.0) for i in range(num_cells)]
         self.pending: collections.deque = collections.deque()
         self.queue, self.inflight = collections.defaultdict(float), collections.defaultdict(float)
+        self.queue_ctx = collections.defaultdict(float)  # summed contexts of the queued tokens
+        self.step_cells = collections.defaultdict(set)  # cells that trained each step
         self.done_per_step = collections.Counter()
         self.version = self.next_step = self.dispatched = self.started = self.finished = 0
         self.opt_running, self.switches, self.work = False, 0, 0.0
@@ -142,7 +195,13 @@ class Simulator:
         self.opt_spans: list[tuple[float, float]] = []  # (start, end) of optimizer steps
         self.group_left = collections.Counter((ex.step, ex.group) for b in steps for ex in b)
         self.group_tokens = collections.defaultdict(float)
+        self.group_ctx = collections.defaultdict(float)
         self.micro_sizes = collections.defaultdict(collections.deque)  # pack_by_group only
+        self.counters = collections.Counter()
+        self.peak_sum, self.peak_n = 0.0, 0
+        self.open_es: set = set()  # dispatched executions not yet ended
+        self.decode_time = self.batch_time = 0.0
+        self.kv_tol = 1e-9 * max(cost.kv_capacity_tokens, 1.0)
 
     # ---- event plumbing -------------------------------------------------------------------
     def _push(self, at: float, kind: str, *args) -> None:
@@ -164,6 +223,21 @@ class Simulator:
         longest = max(self._fastest(ex) for batch in self.steps for ex in batch)
         if self.cost.shared_cores:
             self._share_cores()
+        counters = {
+            k: float(self.counters[k])
+            for k in (
+                "evictions",
+                "reprefill_tokens",
+                "migrated_contexts",
+                "migrated_tokens",
+                "dropped_contexts",
+                "moved_calls",
+            )  # fmt: skip
+        }
+        counters["mean_decode_batch"] = (
+            self.batch_time / self.decode_time if self.decode_time else 0.0
+        )
+        counters["trained_tokens"] = float(sum(o[3] for o in self.outcomes.values()))
         return SimResult(
             self.name,
             self.t,
@@ -175,6 +249,7 @@ class Simulator:
             self.switches,
             dict(self.end_counts),
             self.step_end,
+            counters,
         )
 
     def _share_cores(self) -> None:
@@ -191,7 +266,7 @@ class Simulator:
     def _fastest(self, ex: Execution) -> float:
         c = self.cost
         d = sum(
-            c.prefill_s(call.new_prompt_tokens)
+            c.prefill_s(call.new_prompt_tokens, call.prompt_tokens - call.new_prompt_tokens)
             + call.tool_latency_s
             + call.completion_tokens
             * c.decode_step_s(1, call.prompt_tokens + call.completion_tokens / 2)
@@ -203,7 +278,8 @@ class Simulator:
         if c.switching:
             state = "switch"
         elif c.role == ROLLOUT:
-            state = "busy" if (c.active or c.prefilling is not None) else "idle"
+            busy = c.active or c.prefilling is not None or c.loading
+            state = "busy" if busy else "idle"
         else:
             state = "busy" if c.micro is not None else "idle"
         key = (c.role, state)
@@ -213,6 +289,20 @@ class Simulator:
             c.state, c.since = key, self.t
 
     # ---- policy --------------------------------------------------------------------------
+    def _capacity(self) -> float:
+        """Executions a rollout cell counts as holding, for the policy (see the docstring)."""
+        cost = self.cost
+        if cost.cell_capacity > 0:
+            return cost.cell_capacity
+        if not self.mem:
+            return cost.slots
+        prior = self.peak_sum / self.peak_n if self.peak_n else 0.0
+        sizes = [max(es.peak, prior) for es in self.open_es]
+        sizes = [x for x in sizes if x > 0] or [prior]
+        est = sum(sizes) / len(sizes)
+        cap = cost.kv_capacity_tokens / est if est > 0 else 1.0
+        return min(cap, cost.slots) if cost.slots > 0 else cap
+
     def _snapshot(self) -> LoadSnapshot:
         cost, s = self.cost, self.next_step
         return LoadSnapshot(
@@ -222,7 +312,7 @@ class Simulator:
             finished=self.finished,
             live_requests=tuple(c.load() for c in self.cells),
             train_queue_tokens=self.queue[self.version] + self.inflight[self.version],
-            rollout_capacity=(cost.cell_capacity or cost.slots,) * self.k,
+            rollout_capacity=(self._capacity(),) * self.k,
             train_throughput=(cost.train_tokens_per_s(),) * self.k,
             switch_r2t_s=cost.switch_r2t_s,
             switch_t2r_s=cost.switch_t2r_s,
@@ -251,20 +341,22 @@ class Simulator:
             self._dispatch()
 
     def _switch(self, c: _Cell, role: str) -> None:
-        if c.role == ROLLOUT:
-            self._handover(c)
+        extra = self._handover(c) if c.role == ROLLOUT else 0.0
         c.role, c.switching, c.pending_role = role, True, None
         self.switches += 1
         self._push(
-            self.t + (self.cost.switch_r2t_s if role == TRAIN else self.cost.switch_t2r_s),
+            self.t + (self.cost.switch_r2t_s if role == TRAIN else self.cost.switch_t2r_s) + extra,
             "switch",
             c.i,
         )
         self._record(c)
+        if self.mem:
+            self._fill_all()
 
     def _on_switch(self, i: int) -> None:
         c = self.cells[i]
         c.switching = False
+        c.last_t = self.t
         self._record(c)
         if c.pending_role is not None and c.pending_role != c.role:
             self._switch(c, c.pending_role)
@@ -278,8 +370,8 @@ class Simulator:
         for ex in self.steps[self.next_step]:
             es = _ExState(ex, self.t)
             self.dispatched += 1
-            self._push(self.t + ex.timeout_s, "timeout", es)
-            self._on_tool(es)
+            self.open_es.add(es)
+            self._on_tool(es)  # its timeout starts when its first call is admitted
         self.next_step += 1
 
     # ---- rollout -------------------------------------------------------------------------
@@ -298,12 +390,18 @@ class Simulator:
             call.prompt_tokens + call.completion_tokens / 2,
             max(call.new_prompt_tokens, 1) if chunked else call.new_prompt_tokens,
             float(call.completion_tokens),
+            need=call.prompt_tokens + call.completion_tokens,
+            cached=call.prompt_tokens - call.new_prompt_tokens,
         )
         req.new = call.new_prompt_tokens
         es.req = req
         self._route(req)
 
     def _route(self, req: _Req) -> None:
+        if self.mem:  # FIFO: behind whatever waits already
+            self.pending.append(req)
+            self._fill_all()
+            return
         best = None
         for c in self.cells:
             if c.role == ROLLOUT and not c.switching and c.load() < self.cost.slots:
@@ -316,63 +414,211 @@ class Simulator:
             self._admit(best, req)
 
     def _fill(self, c: _Cell) -> None:
+        if self.mem:
+            self._fill_all()
+            return
         while self.pending and c.role == ROLLOUT and not c.switching and c.load() < self.cost.slots:
             req = self.pending.popleft()
             if not req.dead:
                 self._admit(c, req)
 
+    # ---- memory model --------------------------------------------------------------------
+    def _open(self, c: _Cell) -> bool:
+        slots = self.cost.slots
+        return c.role == ROLLOUT and not c.switching and (slots <= 0 or c.load() < slots)
+
+    def _fits(self, c: _Cell, need: float, evict: bool = True) -> bool:
+        used = c.kv_live + (0.0 if evict else c.kv_idle)
+        return used + need <= self.cost.kv_capacity_tokens + self.kv_tol
+
+    def _most_room(self, need: float, exclude=None, live: bool = True):
+        """The cell a request (``live``) or an idle context goes to: fits (without evicting,
+        for an idle one) and has most room, one that needs no eviction first; or None."""
+        best, best_key = None, None
+        for c in self.cells:
+            if c is exclude or not (
+                self._open(c) if live else c.role == ROLLOUT and not c.switching
+            ):
+                continue
+            if not self._fits(c, need, evict=live):
+                continue
+            key = (
+                self._fits(c, need, evict=False),
+                -c.kv_live - (0.0 if live else c.kv_idle),
+                -c.i,
+            )
+            if best_key is None or key > best_key:
+                best, best_key = c, key
+        return best
+
+    def _pick(self, req: _Req):
+        home = req.ex.cell
+        if home is not None and self._open(home) and self._fits(home, req.need):
+            return home
+        return self._most_room(req.need, exclude=home)
+
+    def _fill_all(self) -> None:
+        """Admits from the head of the global queue while the head fits somewhere."""
+        while self.pending:
+            req = self.pending[0]
+            if req.dead:
+                self.pending.popleft()
+                continue
+            c = self._pick(req)
+            if c is None:
+                return
+            self.pending.popleft()
+            self._admit(c, req)
+
+    def _forget(self, es: _ExState) -> None:
+        """Drops the execution's idle context from its cell."""
+        c = es.cell
+        if c is not None and es in c.idle:
+            c.kv_idle -= c.idle.pop(es)
+        es.cell, es.held = None, 0.0
+
+    def _evict(self, c: _Cell) -> None:
+        while c.idle and c.kv_live + c.kv_idle > self.cost.kv_capacity_tokens + self.kv_tol:
+            es, held = c.idle.popitem(last=False)
+            c.kv_idle -= held
+            es.cell, es.held = None, 0.0
+            self.counters["evictions"] += 1
+
+    def _reserve(self, c: _Cell, req: _Req) -> None:
+        """Memory at admission: reuse the context if it is here, else prefill it all."""
+        es = req.ex
+        if req.fresh:
+            call = es.ex.calls[req.call]
+            reuse = call.prompt_tokens - call.new_prompt_tokens
+            req.cached = reuse if es.cell is c else 0
+            req.prefill = call.prompt_tokens - req.cached
+            if self.cost.prefill_chunk > 0:
+                req.prefill = max(req.prefill, 1)
+            self.counters["reprefill_tokens"] += reuse - req.cached
+            if es.cell is not None and es.cell is not c:
+                self.counters["moved_calls"] += 1
+        else:  # handed over mid-call without its KV: its context so far is all re-prefilled
+            self.counters["reprefill_tokens"] += req.prefill
+        self._forget(es)
+        es.cell, es.held, es.peak = c, req.need, max(es.peak, req.need)
+        c.kv_live += req.need
+        self._evict(c)
+
+    def _to_idle(self, c: _Cell, req: _Req) -> None:
+        """A call finished: its context stays resident, idle, most recently used."""
+        es = req.ex
+        c.kv_live -= req.need
+        c.idle[es] = req.need
+        c.kv_idle += req.need
+        es.cell, es.held = c, req.need
+
+    def _hand_idle(self, es: _ExState, held: float, src: _Cell) -> float:
+        """Hands an idle context over (migration, where it fits) -> tokens moved."""
+        es.cell, es.held = None, 0.0
+        dst = self._most_room(held, exclude=src, live=False) if self.cost.handover_migrate else None
+        if dst is None:
+            self.counters["dropped_contexts"] += 1
+            return 0.0
+        dst.idle[es] = held
+        dst.kv_idle += held
+        es.cell, es.held = dst, held
+        self.counters["migrated_contexts"] += 1
+        self.counters["migrated_tokens"] += held
+        return held
+
+    # ---- a rollout cell's progress -------------------------------------------------------
     def _admit(self, c: _Cell, req: _Req) -> None:
         req.cell = c
-        if not req.ex.started:
-            req.ex.started = True
+        es = req.ex
+        if not es.started:
+            es.started, es.start = True, self.t
             self.started += 1
+            self._push(self.t + es.ex.timeout_s, "timeout", es)
+        if self.mem:
+            self._reserve(c, req)
         if req.prefill > 0:
             c.prefill_q.append(req)
-            if c.prefilling is None:
+            if c.prefilling is None and not c.loading:
                 self._start_prefill(c)
         else:
+            req.fresh = False
             self._join(c, req)
         self._record(c)
 
+    def _step_s(self, c: _Cell) -> float:
+        """Seconds of one engine step on the cell now; 0 while nothing decodes."""
+        if c.loading or (c.prefilling is not None and not self.mixed):
+            return 0.0
+        step = self.cost.decode_step_s(len(c.active), c.ctx_sum) if c.active else 0.0
+        return step + (c.pf_step_s if c.prefilling is not None else 0.0)
+
     def _advance(self, c: _Cell) -> None:
-        if c.prefilling is None and c.active:
-            c.v += (self.t - c.last_t) / self.cost.decode_step_s(len(c.active), c.ctx_sum)
+        step = self._step_s(c)
+        dt = self.t - c.last_t
+        if step > 0 and dt > 0:
+            c.v += dt / step
+            if c.active:
+                self.decode_time += dt
+                self.batch_time += len(c.active) * dt
         c.last_t = self.t
 
     def _reschedule(self, c: _Cell) -> None:
         c.epoch += 1
-        if c.prefilling is not None or not c.active:
+        step = self._step_s(c)
+        if step <= 0:
             return
         while c.heap and (c.heap[0][2] not in c.active or c.heap[0][2].target != c.heap[0][0]):
             heapq.heappop(c.heap)
-        step_s = self.cost.decode_step_s(len(c.active), c.ctx_sum)
-        self._push(self.t + max(c.heap[0][0] - c.v, 0.0) * step_s, "decode", c.i, c.epoch)
+        nxt = c.heap[0][0] if c.heap else math.inf
+        if c.prefilling is not None:
+            nxt = min(nxt, c.pf_target)
+        self._push(self.t + max(nxt - c.v, 0.0) * step, "decode", c.i, c.epoch)
 
     def _start_prefill(self, c: _Cell) -> None:
         self._advance(c)
-        c.prefilling = c.prefill_q.popleft()
-        c.epoch += 1  # decoding pauses while the prefill runs
-        self._push(
-            self.t + self.cost.prefill_s(c.prefilling.prefill),
-            "prefill",
-            c.i,
-            c.prefilling,
-        )
+        req = c.prefilling = c.prefill_q.popleft()
+        seconds = self.cost.prefill_s(req.prefill, req.cached)
+        if not self.mixed:
+            c.epoch += 1  # decoding pauses while the prefill runs
+            self._push(self.t + seconds, "prefill", c.i, req)
+            return
+        if seconds <= 0:
+            self._finish_prefill(c)
+            return
+        chunks = max(1, math.ceil(req.prefill / self.cost.mixed_chunk - 1e-9))
+        c.pf_step_s, c.pf_target = seconds / chunks, c.v + chunks
+        self._reschedule(c)
 
     def _on_prefill(self, i: int, req: _Req) -> None:
         c = self.cells[i]
         if c.prefilling is not req:
             return  # handed over or cancelled meanwhile
-        c.prefilling, c.last_t = None, self.t
-        # Only the call's own new tokens count as work; a hand-over's re-prefill is overhead.
-        self.work += req.new * self.cost.prefill_per_token_s
-        req.ex.tokens += req.new
+        self._finish_prefill(c)
+
+    def _finish_prefill(self, c: _Cell) -> None:
+        self._advance(c)
+        req = c.prefilling
+        c.prefilling, c.pf_step_s = None, 0.0
+        # Only the call's own new tokens count as work; any re-prefill is overhead.
+        es = req.ex
+        call = es.ex.calls[req.call]
+        at = call.prompt_tokens - req.new / 2  # mean context of the new tokens
+        self.work += req.new * (
+            self.cost.prefill_per_token_s
+            + self.cost.prefill_per_ctx_token_s * (call.prompt_tokens - req.new + req.new / 2)
+        )
+        es.tokens += req.new
+        es.tok_ctx += req.new * at
         req.prefill = req.new = 0
+        req.cached, req.fresh = 0.0, False
         if self.cost.prefill_chunk > 0 and req.remaining >= 1:
             req.remaining -= 1  # the engine's prefill samples the first completion token
-            req.ex.tokens += 1
+            es.tokens += 1
+            es.tok_ctx += req.ctx
         self._join(c, req)
-        if c.prefill_q:
+        if c.load_pending:
+            self._start_load(c)
+        elif c.prefill_q and not c.loading:
             self._start_prefill(c)
         self._record(c)
 
@@ -392,6 +638,7 @@ class Simulator:
         done = req.remaining - left
         self.work += done * self.cost.min_token_work_s(req.ctx)
         req.ex.tokens += done
+        req.ex.tok_ctx += done * req.ctx
         req.remaining = left
         c.active.discard(req)
         c.ctx_sum -= req.ctx
@@ -403,10 +650,14 @@ class Simulator:
         if epoch != c.epoch:
             return
         self._advance(c)
+        if self.mixed and c.prefilling is not None and c.v >= c.pf_target - _TOKEN_TOL:
+            self._finish_prefill(c)  # mixed_chunk: the prefill's last chunk ran
         while c.heap and c.heap[0][0] <= c.v + _TOKEN_TOL:
             _, _, req = heapq.heappop(c.heap)
             if req in c.active and req.target <= c.v + _TOKEN_TOL:
                 self._detach(c, req)
+                if self.mem:
+                    self._to_idle(c, req)
                 es = req.ex
                 es.req, es.call = None, es.call + 1
                 self._push(self.t + es.ex.calls[req.call].tool_latency_s, "tool", es)
@@ -414,27 +665,101 @@ class Simulator:
         self._fill(c)
         self._record(c)
 
-    def _handover(self, c: _Cell) -> None:
-        """The cell leaves rollout: live requests go back to the front of the global queue."""
+    # ---- new weights ---------------------------------------------------------------------
+    def _start_load(self, c: _Cell) -> None:
+        if c.prefilling is not None and not self.mixed:
+            c.load_pending = True  # after the running prefill (an engine step boundary)
+            return
+        self._advance(c)
+        c.load_pending, c.loading = False, True
+        c.load_seq += 1
+        c.epoch += 1
+        self._push(self.t + self.cost.weight_load_s, "loaded", c.i, c.load_seq)
+        self._record(c)
+
+    def _on_loaded(self, i: int, seq: int) -> None:
+        c = self.cells[i]
+        if seq != c.load_seq or not c.loading:
+            return
+        c.loading, c.last_t = False, self.t
+        if c.prefilling is None and c.prefill_q:
+            self._start_prefill(c)
+        else:
+            self._reschedule(c)
+        self._record(c)
+
+    # ---- hand-over -----------------------------------------------------------------------
+    def _clear(self, c: _Cell) -> None:
+        c.active, c.heap, c.ctx_sum, c.prefilling, c.pf_step_s = set(), [], 0.0, None, 0.0
+        c.prefill_q.clear()
+        c.loading = c.load_pending = False
+        c.load_seq += 1
+        c.epoch += 1
+
+    def _handover(self, c: _Cell) -> float:
+        """The cell leaves rollout: live requests go back to the front of the global queue
+        (memory model: resident contexts are handed over too) -> extra switch seconds."""
+        if self.mem:
+            return self._handover_memory(c)
         moved = []
         for req in sorted(c.active, key=lambda r: r.target):
             self._detach(c, req)
             if self.cost.handover_reprefill:
                 call = req.ex.ex.calls[req.call]
                 req.prefill = call.prompt_tokens + call.completion_tokens - req.remaining
+                req.cached = 0.0
             moved.append(req)
         if c.prefilling is not None:
             moved.append(c.prefilling)
         moved.extend(c.prefill_q)
-        c.active, c.heap, c.ctx_sum, c.prefilling = set(), [], 0.0, None
-        c.prefill_q.clear()
-        c.epoch += 1
+        self._clear(c)
         for req in reversed(moved):
             req.cell = None
             self.pending.appendleft(req)
         for other in sorted(self.cells, key=lambda o: o.load()):
             if other is not c:
                 self._fill(other)
+        return 0.0
+
+    def _handover_memory(self, c: _Cell) -> float:
+        migrate, moved_tokens, requeue = self.cost.handover_migrate, 0.0, []
+        self._advance(c)
+        for req in sorted(c.active, key=lambda r: r.target):  # decoding: move mid-call
+            self._detach(c, req)
+            es, call = req.ex, req.ex.ex.calls[req.call]
+            so_far = call.prompt_tokens + call.completion_tokens - req.remaining
+            c.kv_live -= req.need
+            es.cell, es.held = None, 0.0
+            dst = self._most_room(req.need, exclude=c) if migrate else None
+            if dst is None:
+                req.prefill, req.cached, req.fresh = so_far, 0.0, False
+                requeue.append(req)
+                continue
+            dst.kv_live += req.need
+            es.cell, es.held = dst, req.need
+            self._evict(dst)
+            req.cell = dst
+            self._join(dst, req)
+            self._record(dst)
+            moved_tokens += so_far
+            self.counters["migrated_contexts"] += 1
+            self.counters["migrated_tokens"] += so_far
+        waiting = ([c.prefilling] if c.prefilling is not None else []) + list(c.prefill_q)
+        for req in waiting:  # admitted, not decoding yet: back to the queue, context handed over
+            c.kv_live -= req.need
+            req.ex.cell, req.ex.held = None, 0.0
+            if req.fresh and req.cached > 0:
+                moved_tokens += self._hand_idle(req.ex, req.cached, c)
+            requeue.append(req)
+        for es, held in reversed(list(c.idle.items())):  # idle, most recently used first
+            moved_tokens += self._hand_idle(es, held, c)
+        c.idle.clear()
+        c.kv_live = c.kv_idle = 0.0
+        self._clear(c)
+        for req in reversed(requeue):
+            req.cell = None
+            self.pending.appendleft(req)
+        return self.cost.migrate_s(moved_tokens) if migrate else 0.0
 
     # ---- execution end -------------------------------------------------------------------
     def _on_timeout(self, es: _ExState) -> None:
@@ -449,36 +774,53 @@ class Simulator:
                 self._detach(c, req)
                 self._reschedule(c)
             elif c.prefilling is req:
-                c.prefilling, c.last_t = None, self.t
-                if c.prefill_q:
+                self._advance(c)
+                c.prefilling, c.pf_step_s = None, 0.0
+                if c.load_pending:
+                    self._start_load(c)
+                elif c.prefill_q and not c.loading:
                     self._start_prefill(c)
                 else:
                     self._reschedule(c)
             else:
                 c.prefill_q.remove(req)
             if c is not None:
+                if self.mem:
+                    c.kv_live -= req.need
+                    es.cell, es.held = None, 0.0
                 self._fill(c)
                 self._record(c)
         self._end(es, "timeout")
 
     def _end(self, es: _ExState, reason: str) -> None:
         es.ended, es.req = True, None
+        self.open_es.discard(es)
+        if self.mem:
+            self._forget(es)
+        if es.peak > 0:
+            self.peak_sum += es.peak
+            self.peak_n += 1
         self.finished += 1
         step = es.ex.step
         self.done_per_step[step] += 1
         if self.cost.pack_by_group:
             group = (step, es.ex.group)
             self.group_tokens[group] += es.tokens
+            self.group_ctx[group] += es.tok_ctx
             self.group_left[group] -= 1
             if self.group_left[group] == 0:
                 tokens = self.group_tokens.pop(group)
                 n = max(1, math.ceil(tokens / self.cost.microbatch_tokens))
                 self.micro_sizes[step].extend([tokens / n] * n)
                 self.queue[step] += tokens
+                self.queue_ctx[step] += self.group_ctx.pop(group)
         else:
             self.queue[step] += es.tokens
+            self.queue_ctx[step] += es.tok_ctx
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
         self.end_counts[es.ex.execution_id] += 1
+        if self.mem:
+            self._fill_all()
         self._try_train()
         self._decide()
 
@@ -501,28 +843,28 @@ class Simulator:
                     take = self.micro_sizes[s].popleft()
                 else:
                     take = q if q - size < 1e-6 else size
+                take_ctx = min(take * self.queue_ctx[s] / q, self.queue_ctx[s]) if q > 0 else 0.0
                 self.queue[s] -= take
+                self.queue_ctx[s] -= take_ctx
                 self.inflight[s] += take
-                c.micro = take
-                self._push(
-                    self.t + take * self.cost.train_per_token_s + self.cost.microbatch_s,
-                    "micro",
-                    c.i,
-                )
+                c.micro, c.micro_ctx = take, take_ctx
+                self.step_cells[s].add(c.i)
+                self._push(self.t + self.cost.train_s(take, take_ctx), "micro", c.i)
                 self._record(c)
         idle = not self.micro_sizes[s] and self.inflight[s] <= 1e-6
         if rollout_done and idle and (grouped or self.queue[s] <= 1e-6):
-            self.queue[s] = self.inflight[s] = 0.0
+            self.queue[s] = self.inflight[s] = self.queue_ctx[s] = 0.0
             self.opt_running = True
-            done = self.t + self.cost.step_overhead_s
+            reduce = self.cost.allreduce_s(len(self.step_cells.pop(s, ())))
+            done = self.t + reduce + self.cost.step_overhead_s
             self.opt_spans.append((self.t, done))
             self._push(done, "opt")
 
     def _on_micro(self, i: int) -> None:
         c = self.cells[i]
         self.inflight[self.version] -= c.micro
-        self.work += c.micro * self.cost.train_per_token_s + self.cost.microbatch_s
-        c.micro = None
+        self.work += self.cost.train_s(c.micro, c.micro_ctx)
+        c.micro, c.micro_ctx = None, 0.0
         self._record(c)
         if c.pending_role is not None and c.pending_role != c.role:
             self._switch(c, c.pending_role)
@@ -533,6 +875,10 @@ class Simulator:
         self.opt_running = False
         self.version += 1
         self.step_end.append(self.t)
+        if self.cost.weight_load_s > 0:
+            for c in self.cells:
+                if c.role == ROLLOUT and not c.switching:
+                    self._start_load(c)
         self._try_train()
         self._decide()
 

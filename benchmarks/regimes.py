@@ -1,0 +1,229 @@
+"""Where elastic wins: a map over KV capacity per cell and the training share of a step.
+
+    python benchmarks/regimes.py [--out PATH] [--steps N] [--seeds S] [--quick]
+
+Base: the SWE / terminal scenario of benchmarks/paper_table.py as it is there (122B-class
+model, its memory model and costs, 8 cells, 1024 executions per step), fewer steps. Grid:
+
+- x, KV capacity: contexts of the mean peak size a cell's KV pool holds, divided by the
+  executions per cell of one step (1.0 = the cluster holds exactly one step's batch at peak);
+  set through the pool size.
+- y, training share: the fraction of cell-time colocate spends training at ample memory;
+  set by scaling every training cost (per token, per context token, per micro-batch).
+
+Per grid point and seed: colocate, async at every split, elastic at staleness 1 and 0; the
+figures are speedups in steady-state equal-work hours (= tokens per hour over steps 2..N-2,
+so that the short runs' pipeline fill and drain do not count), mean over seeds: best async /
+elastic, colocate / elastic, and colocate / elastic at staleness 0 (equal staleness). > 1
+means elastic is faster. The paper table's three scenarios are marked at their own (x, y).
+Saves the heat maps to --out (PNG) and prints the grids; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import paper_table  # noqa: E402
+
+from gyre.elastic.sim import simulate  # noqa: E402
+from gyre.elastic.workload import generate  # noqa: E402
+
+# Coarse, so that runs can be long enough for a steady rate (short ones are noisy: with 6
+# steps the window is 2 step intervals and the map moved by up to 0.3x).
+KV_RATIOS = (0.4, 0.7, 1.0, 2.0)
+TRAIN_SHARES = (0.05, 0.2, 0.45)
+# Steady-state equal-work hours (steps 2..N-2): short runs' pipeline fill and drain would
+# otherwise favour elastic over a fixed split.
+METRIC = "steady_equal_work_h"
+QUICK = dict(kv=(0.5, 2.0), shares=(0.2, 0.5), steps=2, seeds=1)
+
+
+def peak_context(steps) -> float:
+    return float(np.mean([max(c.prompt_tokens + c.completion_tokens for c in ex.calls)
+                          for batch in steps for ex in batch]))  # fmt: skip
+
+
+def biggest_call(steps) -> float:
+    return max(c.prompt_tokens + c.completion_tokens for b in steps for ex in b for c in ex.calls)
+
+
+def train_share(result) -> float:
+    return result.busy_fraction().get("train-busy", 0.0)
+
+
+def scale_training(cost, f: float):
+    return dataclasses.replace(cost, train_per_token_s=cost.train_per_token_s * f,
+                               train_per_ctx_token_s=cost.train_per_ctx_token_s * f,
+                               microbatch_s=cost.microbatch_s * f)  # fmt: skip
+
+
+def with_kv(cost, kv_ratio: float, per_cell: float, peak: float, floor: float):
+    """The cost model with a pool of kv_ratio x per_cell contexts of ``peak`` (simulated units)."""
+    return dataclasses.replace(cost, kv_capacity_tokens=max(kv_ratio * per_cell * peak, floor))
+
+
+def base_setup(steps_n: int):
+    sc = next(s for s in paper_table.load_scenarios(steps_n) if "SWE" in s.name)
+    cost, _, _ = paper_table.memory_cost(sc.calibration, sc.replication)
+    return sc, cost
+
+
+def scenario_marks(steps_n: int) -> list[dict]:
+    """Each paper scenario's own (x, y): its KV ratio and colocate's training share."""
+    marks = []
+    for sc in paper_table.load_scenarios(steps_n):
+        cost, mem, _ = paper_table.memory_cost(sc.calibration, sc.replication)
+        steps = generate(sc.workload)
+        per_cell = sc.workload.executions_per_step / sc.num_cells
+        ratio = cost.kv_capacity_tokens / peak_context(steps) / per_cell
+        ample = dataclasses.replace(cost, kv_capacity_tokens=100 * biggest_call(steps))
+        share = train_share(simulate(steps, sc.num_cells, "colocate", ample, sc.params))
+        marks.append({"name": sc.name, "kv_ratio": ratio, "train_share": share})
+    return marks
+
+
+def grid_point(sc, cost, seeds_steps, kv_ratio: float) -> dict:
+    per_cell = sc.workload.executions_per_step / sc.num_cells
+    p = sc.params
+    out = {"async": {r: [] for r in range(1, sc.num_cells)}, "colocate": [], "elastic": [],
+           "elastic_s0": []}  # fmt: skip
+    for steps, full, peak, floor in seeds_steps:
+        step_of = {ex.execution_id: ex.step for batch in steps for ex in batch}
+        c = with_kv(cost, kv_ratio, per_cell, peak, floor)
+
+        def h(policy, params, steps=steps, c=c, full=full, step_of=step_of):
+            r = simulate(steps, sc.num_cells, policy, c, params)
+            return paper_table.run_stats(r, full, sc.replication, step_of)[METRIC]
+
+        out["colocate"].append(h("colocate", p))
+        out["elastic"].append(h("elastic", p))
+        out["elastic_s0"].append(h("elastic", dataclasses.replace(p, max_staleness=0)))
+        for r in out["async"]:
+            out["async"][r].append(h("async", dataclasses.replace(p, async_rollout_cells=r)))
+    best = min(out["async"], key=lambda r: (np.mean(out["async"][r]), r))
+    e = np.array(out["elastic"])
+
+    def speedup(other, mine=e):
+        x = np.array(other) / mine
+        return float(x.mean()), float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
+
+    vs_best, vs_best_se = speedup(out["async"][best])
+    vs_col, vs_col_se = speedup(out["colocate"])
+    vs_eq, vs_eq_se = speedup(out["colocate"], np.array(out["elastic_s0"]))
+    return {"vs_async_best": vs_best, "vs_async_best_se": vs_best_se, "best_split": best,
+            "vs_colocate": vs_col, "vs_colocate_se": vs_col_se,
+            "vs_colocate_equal_staleness": vs_eq, "vs_colocate_equal_staleness_se": vs_eq_se,
+            "elastic_equal_work_h": float(e.mean())}  # fmt: skip
+
+
+def plot(path: str, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    xs, ys = res["kv_ratios"], res["train_shares"]
+    grid = {(g["kv_ratio"], g["train_share_target"]): g for g in res["grid"]}
+    keys = (("vs_async_best", "best async / elastic"), ("vs_colocate", "colocate / elastic"),
+            ("vs_colocate_equal_staleness", "colocate / elastic, both staleness 0"))  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    lx = np.log(xs)
+    for ax, (key, title) in zip(axes, keys):
+        data = np.array([[grid[x, y][key] for x in xs] for y in ys])
+        lo, hi = min(data.min(), 0.99), max(data.max(), 1.01)
+        im = ax.imshow(data, origin="lower", cmap="RdBu", aspect="auto",
+                       norm=TwoSlopeNorm(1.0, lo, hi))  # fmt: skip
+        ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
+        ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
+        ax.set_xlabel("KV capacity: contexts per cell / executions per cell")
+        ax.set_ylabel("training share of colocate's cell-time")
+        ax.set_title(f"speedup of elastic, equal work: {title}", fontsize=9)
+        for i, row in enumerate(data):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        for n, m in enumerate(res["scenarios"]):  # interpolated between ticks, clamped
+            mx = np.interp(np.log(m["kv_ratio"]), lx, range(len(xs)))
+            my = np.interp(m["train_share"], ys, range(len(ys)))
+            ax.plot(mx, my, "k*", markersize=11)
+            ax.annotate(m["name"].split()[0].rstrip(","), (mx, my), textcoords="offset points",
+                        xytext=(6, 6 - 12 * (n % 2)), fontsize=8)  # fmt: skip
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="workdirs/regimes.png", help="PNG path for the heat maps")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a 2 x 2 grid, 2 steps, 1 seed")
+    args = ap.parse_args()
+    kv, shares, steps_n, seeds = KV_RATIOS, TRAIN_SHARES, args.steps, args.seeds
+    if args.quick:
+        kv, shares, steps_n, seeds = QUICK["kv"], QUICK["shares"], QUICK["steps"], QUICK["seeds"]
+    t0 = time.time()
+    sc, cost = base_setup(steps_n)
+    seeds_steps = []
+    for i in range(seeds):
+        steps = generate(dataclasses.replace(sc.workload, seed=sc.workload.seed + 1000 * i))
+        full = sum(ex.train_tokens for batch in steps for ex in batch)
+        seeds_steps.append((steps, full, peak_context(steps), biggest_call(steps)))
+    # Training share: scale the training costs so that colocate at ample memory spends the
+    # target share of its cell-time training (its rollout does not depend on training cost).
+    steps0 = seeds_steps[0][0]
+    ample = dataclasses.replace(cost, kv_capacity_tokens=100 * seeds_steps[0][3])
+    share1 = train_share(simulate(steps0, sc.num_cells, "colocate", ample, sc.params))
+    rows = []
+    for y in shares:
+        f = y / (1 - y) * (1 - share1) / share1
+        c = scale_training(cost, f)
+        ample_c = dataclasses.replace(c, kv_capacity_tokens=ample.kv_capacity_tokens)
+        got = train_share(simulate(steps0, sc.num_cells, "colocate", ample_c, sc.params))
+        for x in kv:
+            g = grid_point(sc, c, seeds_steps, x)
+            rows.append({"kv_ratio": x, "train_share_target": y, "train_share": got,
+                         "train_cost_scale": f, **g})  # fmt: skip
+            print(f"  kv {x:4.2f} share {y:4.2f} (measured {got:.2f}): vs best async "
+                  f"{g['vs_async_best']:.2f} (R={g['best_split']}), vs colocate "
+                  f"{g['vs_colocate']:.2f}, equal staleness {g['vs_colocate_equal_staleness']:.2f}"
+                  f"  [{time.time() - t0:.0f} s]", flush=True)  # fmt: skip
+    marks = scenario_marks(2 if args.quick else 3)
+    res = {"kv_ratios": list(kv), "train_shares": list(shares), "grid": rows, "scenarios": marks,
+           "cells": sc.num_cells, "executions_per_step": sc.real_executions_per_step,
+           "steps": steps_n, "seeds": seeds, "png": args.out}  # fmt: skip
+    grid = {(g["kv_ratio"], g["train_share_target"]): g for g in rows}
+    for key, title in (("vs_async_best", "best async / elastic"),
+                       ("vs_colocate", "colocate / elastic (staleness 0 vs 1)"),
+                       ("vs_colocate_equal_staleness", "colocate / elastic at staleness 0")):  # fmt: skip
+        print(f"\nelastic speedup, equal work: {title} (rows: training share, cols: KV ratio)")
+        print("share \\ kv " + "".join(f"{x:>8.2f}" for x in kv))
+        for y in shares:
+            print(f"{y:10.2f} " + "".join(f"{grid[x, y][key]:8.2f}" for x in kv))
+    print(f"\nbest async split (rollout cells of {sc.num_cells}):")
+    for y in shares:
+        print(f"{y:10.2f} " + "".join(f"{grid[x, y]['best_split']:8d}" for x in kv))
+    print("\npaper scenarios (x = KV ratio, y = colocate's training share at ample memory):")
+    for m in marks:
+        print(f"  {m['name']:28s} x {m['kv_ratio']:.2f}  y {m['train_share']:.2f}")
+    plot(args.out, res)
+    res["seconds"] = round(time.time() - t0, 1)
+    print(f"\nheat maps: {args.out} ({res['seconds']} s)")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
