@@ -2,6 +2,7 @@
 
     python benchmarks/sim_vs_real.py                       # 16 steps x 4 tasks x 2 samples
     python benchmarks/sim_vs_real.py --calibration isolated   # or cpu_measured (a file)
+    python benchmarks/sim_vs_real.py --kv-limited          # a KV pool that evicts (see 5.)
 
 1. Calibrates (default ``in-situ``): a first controller run with another seed (other tasks)
    is timed program by program where the programs really run, beside the other cell, the
@@ -17,6 +18,14 @@
    programs, which the simulator does not model (it is printed, not compared). Also prints
    the prediction of the model fitted on the measured run itself: the model's structural
    error, apart from the drift of program speed between two runs on a shared machine.
+
+5. ``--kv-limited``: both runs set ``rollout.kv_tokens`` (``--kv_tokens``, default 96 per
+   cell: three reservations of the tiny task's calls, prompt 21 + 12 new - 1 = 32 tokens, so
+   the step's 8 executions (256 tokens reserved at once) do not fit the two cells' 192 and
+   idle contexts are evicted). The replay runs the simulator's memory model with the engine's
+   pool rule (``sim.simulate(..., engine_pool=(max_new_tokens, max_len))``, pool =
+   ``kv_tokens``, slots = ``rollout.slots``) and also compares the run's total evictions
+   (``Proxy.kv_stats()['kv_evictions']``, every step) with the simulated ones.
 
 Prints a per-step table; the last line is one JSON object.
 """
@@ -143,25 +152,34 @@ def fit_probe(probe: Probe, trace: list, base, source: str):
 
 
 def calibrate_in_situ(cfg, args, probe: Probe, base):
-    """A calibration run (another seed: other tasks) -> a cost model fitted from its timings."""
+    """A calibration run (another seed: other tasks) -> (a cost model fitted from its timings,
+    that run's wall seconds over steps 1..N)."""
     from gyre.elastic import workload
 
     cal_cfg = cfg.copy_and_resolve_references()
     cal_cfg.seed = cfg.seed + 1
     workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_cal_")
-    run_real(cal_cfg, workdir, probe)
+    ends, _ = run_real(cal_cfg, workdir, probe)
     trace = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
     source = (f"in situ: timings of a real controller run (seed {cal_cfg.seed}, "
               f"{args.steps} steps x {args.tasks} tasks) by benchmarks/sim_vs_real.py")  # fmt: skip
-    return fit_probe(probe, trace, base, source)
+    return fit_probe(probe, trace, base, source), float(ends[-1] - ends[0])
 
 
 def predict(cfg, steps: list, num_cells: int, cost):
-    """Simulates the recorded executions under the run's own policy and parameters."""
+    """Simulates the recorded executions under the run's own policy and parameters (with the
+    engine's KV pool rule when ``cost`` has a memory model)."""
     from gyre.elastic import sim
     from gyre.rl.builder import build_specs
 
-    return sim.simulate(steps, num_cells, cfg.scheduler.policy, cost, build_specs(cfg).policy)
+    pool = (cfg.rollout.max_new_tokens, cfg.rollout.max_len) if cost.memory else None
+    return sim.simulate(
+        steps, num_cells, cfg.scheduler.policy, cost, build_specs(cfg).policy, engine_pool=pool
+    )
+
+
+def within(err: float) -> bool:
+    return abs(err) <= 0.15
 
 
 def main() -> None:
@@ -173,18 +191,24 @@ def main() -> None:
                     help="'in-situ' (fit from a calibration run in this process), 'isolated' "
                     "(time the programs alone in this process) or a calibration file")  # fmt: skip
     ap.add_argument("--cache_dir", default="/tmp/xcache")
+    ap.add_argument("--kv-limited", dest="kv_limited", action="store_true",
+                    help="a KV pool of --kv_tokens per cell (evictions); compares them too")  # fmt: skip
+    ap.add_argument("--kv_tokens", type=int, default=96, help="rollout.kv_tokens with --kv-limited")
     args = ap.parse_args()
     cfg = tiny_config(args.cell_size, args.cache_dir)
     cfg.run.steps, cfg.run.tasks_per_step = args.steps, args.tasks
+    if args.kv_limited:
+        cfg.rollout.kv_tokens = args.kv_tokens
     workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_")
     setup(cfg, workdir)
     from gyre.elastic import calibration, workload
 
     probe = Probe()
+    cal_s = None  # the in-situ calibration run's wall time over steps 1..N
     # Slots, chunk, switch costs and the shared-cores setting of the committed CPU file.
     base = dataclasses.replace(calibration.load("cpu_measured"), shared_cores=True)
     if args.calibration == "in-situ":
-        cost = calibrate_in_situ(cfg, args, probe, base)
+        cost, cal_s = calibrate_in_situ(cfg, args, probe, base)
     elif args.calibration == "isolated":
         from benchmarks.calibrate_cpu import calibrate
 
@@ -192,8 +216,14 @@ def main() -> None:
     else:
         cost = calibration.load(args.calibration)
     cost = dataclasses.replace(cost, shared_cores=True, pack_by_group=True)  # as the controller
+    if args.kv_limited:  # the engine's pool: kv_tokens per cell, its slot count
+        cost = dataclasses.replace(
+            cost, kv_capacity_tokens=float(args.kv_tokens), slots=cfg.rollout.slots,
+            cell_capacity=0.0,
+        )  # fmt: skip
 
     ends, ctrl = run_real(cfg, workdir, probe)
+    kv_real = ctrl.proxy.kv_stats()
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
     res = predict(cfg, steps, len(ctrl.rt.cells), cost)
     measured, predicted = np.diff(ends), np.diff(res.step_end_s)
@@ -225,12 +255,33 @@ def main() -> None:
           f"{total_p:.3f} s, error {err:+.1%}; per-step |error| median {np.median(per_step):.1%}"
           f", max {per_step.max():.1%}; check |error| <= 15%: "
           f"{'pass' if abs(err) <= 0.15 else 'FAIL'}")  # fmt: skip
+    if cal_s is not None:
+        print(
+            f"the calibration run (other tasks) took {cal_s:.3f} s over the same steps "
+            f"({(cal_s - total_m) / total_m:+.1%} vs this run): drift between the two runs"
+        )
     print(f"time inside the modelled programs: {in_programs:.3f} s ({in_programs / total_m:.0%} of"
           f" measured); host time outside them: {total_m - in_programs:.3f} s")  # fmt: skip
     print(
         f"fitted on this run's own timings the model predicts {own_p:.3f} s "
         f"({(own_p - total_m) / total_m:+.1%}): the model's own error, without drift between runs"
     )
+    kv = {}
+    if args.kv_limited:
+        ev_real, ev_sim = int(kv_real["kv_evictions"]), int(res.counters["evictions"])
+        ev_err = (ev_sim - ev_real) / ev_real if ev_real else float(ev_sim > 0)
+        ev_own = int(predict(cfg, steps, len(ctrl.rt.cells), own).counters["evictions"])
+        print(f"KV pool {args.kv_tokens} tokens per cell: evictions (all steps) measured {ev_real}"
+              f", predicted {ev_sim}, error {ev_err:+.1%}; re-prefilled tokens measured "
+              f"{int(kv_real['kv_reprefilled_tokens'])}, predicted "
+              f"{int(res.counters['reprefill_tokens'])}; check |error| <= 15% on wall time and "
+              f"evictions: {'pass' if within(err) and within(ev_err) else 'FAIL'}")  # fmt: skip
+        kv = {"kv_tokens": args.kv_tokens, "wall_error": round(err, 4),
+              "evictions_real": ev_real, "evictions_sim": ev_sim,
+              "evictions_error": round(ev_err, 4), "evictions_own_fit": ev_own,
+              "reprefilled_real": int(kv_real["kv_reprefilled_tokens"]),
+              "reprefilled_sim": int(res.counters["reprefill_tokens"]),
+              "kv_within_15pct": bool(within(err) and within(ev_err))}  # fmt: skip
     print(json.dumps({
         "steps_compared": len(measured), "cells": len(ctrl.rt.cells),
         "measured_s": round(total_m, 4), "predicted_s": round(total_p, 4),
@@ -240,7 +291,9 @@ def main() -> None:
         "predicted_step_s": [round(float(x), 4) for x in predicted],
         "first_step_measured_s": round(ends[0], 4), "within_15pct": bool(abs(err) <= 0.15),
         "in_programs_s": round(in_programs, 4), "calibration": args.calibration,
+        "calibration_run_s": None if cal_s is None else round(cal_s, 4),
         "predicted_own_fit_s": round(own_p, 4), "own_fit_rel_error": round((own_p - total_m) / total_m, 4),
+        **kv,
     }))  # fmt: skip
 
 

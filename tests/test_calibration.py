@@ -180,3 +180,34 @@ def test_fit_run_names_what_it_lacks():
         calibration.fit_run(one * 3, [step], COST, "x")
     with pytest.raises(ValueError, match="needs engine steps"):
         calibration.fit_run([], [step], base, "x")
+
+
+@pytest.mark.parametrize("prompt,max_new,max_len", [(21, 12, 256), (250, 12, 256), (5, 1, 8)])
+def test_engine_pool_reserves_the_engine_footprint(prompt, max_new, max_len):
+    """engine_pool: a call reserves what the engine's admission rule reserves."""
+    import numpy as np
+
+    from gyre.elastic.sim import Simulator
+    from gyre.rollout.engine import footprint
+    from gyre.rollout.types import GenerateRequest
+
+    call = Call(prompt, 3, 0.0, prompt)
+    cost = dataclasses.replace(COST, kv_capacity_tokens=1e6)
+    sim = Simulator([[Execution("e", 0, (call,), 1e6)]], 1, "colocate", cost,
+                    engine_pool=(max_new, max_len))  # fmt: skip
+    req = GenerateRequest("e", 0, np.zeros(prompt, np.int32), max_new)
+    assert sim._need(call) == footprint(req, max_len)
+
+
+def test_engine_pool_hand_case():
+    """One cell, a pool of two footprints (P 21 + 12 new - 1 = 32): three one-call executions a
+    step. Two run, finish as idle contexts (21 + 12 - 1 = 32 each); the third is admitted and
+    one idle context is evicted (LRU) to fit. New weights clear the rest: one eviction a step.
+    The simulator's own rule (reserve P + completion = 33) would run them one at a time."""
+    call = Call(21, 12, 0.0, 21)
+    steps = [[Execution(f"s{s}-e{i}", s, (call,), 1e6, group=i) for i in range(3)]
+             for s in range(2)]  # fmt: skip
+    cost = dataclasses.replace(COST, kv_capacity_tokens=64.0)
+    res = simulate(steps, 1, "colocate", cost, engine_pool=(12, 256))
+    assert res.counters["evictions"] == 2
+    assert res.counters["reprefill_tokens"] == 0  # no evicted execution comes back

@@ -46,6 +46,21 @@ Memory (``kv_capacity_tokens > 0``; otherwise the prefix cache is global, unlimi
 - The policy's rollout capacity of a cell (executions) is ``cell_capacity`` if set, else the
   KV pool / the mean expected peak context of the outstanding executions, each taken as the
   larger of its own largest context so far and the mean peak of those finished (1 if none).
+- ``engine_pool=(max_new_tokens, max_len)``: the real engine's pool rule instead
+  (gyre/rollout/engine.py, proxy.py; the CPU replay of benchmarks/sim_vs_real.py --kv-limited).
+  A request reserves its footprint P + min(max_new_tokens, max_len - P) - 1, an idle context
+  costs its cached length P + completion - 1; a call goes back to the cell that served its
+  execution last (even if its context was evicted there) when that cell has a slot and room,
+  else to the cell with most free slots, then most room, then lowest index; a context left
+  behind on another cell, or by an ended execution, stays there, idle, until evicted or
+  cleared; new weights clear every idle context (not evictions); the policy's capacity is
+  min(slots, pool / mean footprint of the last 4 x slots admissions). Not modelled: the slot
+  count capping idle contexts (a slot taken from another execution's idle context; never
+  binding when the pool holds fewer contexts than slots), and a call reusing a context its
+  execution left on a cell before its previous call (affinity follows the latest cell).
+  ``counters['reprefill_tokens']`` counts as the engine does: a call placed on a cell that
+  evicted one of its execution's contexts since the last weights, up to its prompt's last
+  token (the engine keeps one record per execution and cell).
 
 Options for modelling the real engine on one CPU (all off by default):
 - ``prefill_chunk > 0``: prefill runs like the engine's fixed-shape program, in chunks (a
@@ -123,15 +138,25 @@ class _Cell:
         return len(self.active) + len(self.prefill_q) + (self.prefilling is not None)
 
 
+class _Stale:
+    """engine_pool: an execution's idle context left on a cell its next call did not go to."""
+
+    __slots__ = ("cell", "held", "owner")
+
+    def __init__(self, cell, held, owner):
+        self.cell, self.held, self.owner = cell, held, owner
+
+
 class _ExState:
     __slots__ = ("ex", "start", "call", "req", "tokens", "ended", "started", "cell", "held",
-                 "tok_ctx", "peak")  # fmt: skip
+                 "tok_ctx", "peak", "home", "lost")  # fmt: skip
 
     def __init__(self, ex, start):
         self.ex, self.start, self.call, self.req = ex, start, 0, None
         self.tokens, self.ended, self.started = 0.0, False, False
         self.cell, self.held = None, 0.0  # memory model: the cell holding its context, tokens
         self.tok_ctx, self.peak = 0.0, 0.0  # sum of its tokens' contexts; largest reservation
+        self.home, self.lost = None, set()  # engine_pool: last cell served; cells that evicted it
 
 
 class Simulator:
@@ -144,6 +169,7 @@ class Simulator:
         policy: str,
         cost: CostModel,
         params: PolicyParams = DEFAULT_PARAMS,
+        engine_pool: tuple[int, int] | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(POLICIES)}")
@@ -161,9 +187,10 @@ class Simulator:
                 "handover_migrate needs kv_capacity_tokens, kv_bytes_per_token and "
                 "link_bytes_per_s > 0"
             )
+        self.engine = engine_pool if self.mem else None
+        self.recent: collections.deque = collections.deque(maxlen=4 * max(cost.slots, 1))
         if self.mem:
-            need = max(c.prompt_tokens + c.completion_tokens
-                       for b in steps for ex in b for c in ex.calls)  # fmt: skip
+            need = max(self._need(c) for b in steps for ex in b for c in ex.calls)
             if need > cost.kv_capacity_tokens:
                 raise ValueError(
                     f"a call needs {need} KV tokens but a cell holds "
@@ -200,8 +227,17 @@ class Simulator:
         self.counters = collections.Counter()
         self.peak_sum, self.peak_n = 0.0, 0
         self.open_es: set = set()  # dispatched executions not yet ended
+        self.all_es: list = []  # engine_pool: every dispatched execution (eviction records)
         self.decode_time = self.batch_time = 0.0
         self.kv_tol = 1e-9 * max(cost.kv_capacity_tokens, 1.0)
+
+    def _need(self, call) -> float:
+        """KV tokens a call reserves while live: the engine's footprint under engine_pool."""
+        if self.engine is None:
+            return call.prompt_tokens + call.completion_tokens
+        max_new, max_len = self.engine
+        p = call.prompt_tokens
+        return p + min(max_new, max_len - p) - 1
 
     # ---- event plumbing -------------------------------------------------------------------
     def _push(self, at: float, kind: str, *args) -> None:
@@ -296,6 +332,11 @@ class Simulator:
             return cost.cell_capacity
         if not self.mem:
             return cost.slots
+        if self.engine is not None:  # the engine's capacity_contexts
+            if not self.recent:
+                return float(cost.slots)
+            cap = cost.kv_capacity_tokens * len(self.recent) / sum(self.recent)
+            return min(float(cost.slots), cap) if cost.slots > 0 else cap
         prior = self.peak_sum / self.peak_n if self.peak_n else 0.0
         sizes = [max(es.peak, prior) for es in self.open_es]
         sizes = [x for x in sizes if x > 0] or [prior]
@@ -369,6 +410,8 @@ class Simulator:
     def _dispatch(self) -> None:
         for ex in self.steps[self.next_step]:
             es = _ExState(ex, self.t)
+            if self.engine is not None:
+                self.all_es.append(es)
             self.dispatched += 1
             self.open_es.add(es)
             self._on_tool(es)  # its timeout starts when its first call is admitted
@@ -390,7 +433,7 @@ class Simulator:
             call.prompt_tokens + call.completion_tokens / 2,
             max(call.new_prompt_tokens, 1) if chunked else call.new_prompt_tokens,
             float(call.completion_tokens),
-            need=call.prompt_tokens + call.completion_tokens,
+            need=self._need(call),
             cached=call.prompt_tokens - call.new_prompt_tokens,
         )
         req.new = call.new_prompt_tokens
@@ -452,6 +495,14 @@ class Simulator:
         return best
 
     def _pick(self, req: _Req):
+        if self.engine is not None:  # proxy._pick: affinity, then free slots, room, index
+            home = req.ex.home
+            if home is not None and self._open(home) and self._fits(home, req.need):
+                return home
+            ok = [c for c in self.cells if self._open(c) and self._fits(c, req.need)]
+            if not ok:
+                return None
+            return max(ok, key=lambda c: (self.cost.slots - c.load(), -c.kv_live, -c.i))
         home = req.ex.cell
         if home is not None and self._open(home) and self._fits(home, req.need):
             return home
@@ -482,7 +533,18 @@ class Simulator:
             es, held = c.idle.popitem(last=False)
             c.kv_idle -= held
             es.cell, es.held = None, 0.0
+            (es if isinstance(es, _ExState) else es.owner).lost.add(c)
             self.counters["evictions"] += 1
+
+    def _clear_idle(self) -> None:
+        """engine_pool: new weights clear every idle context (not evictions)."""
+        for c in self.cells:
+            for es in c.idle:
+                es.cell, es.held = None, 0.0
+            c.idle.clear()
+            c.kv_idle = 0.0
+        for es in self.all_es:  # and the cells' eviction records (re-prefill accounting)
+            es.lost.clear()
 
     def _reserve(self, c: _Cell, req: _Req) -> None:
         """Memory at admission: reuse the context if it is here, else prefill it all."""
@@ -494,13 +556,34 @@ class Simulator:
             req.prefill = call.prompt_tokens - req.cached
             if self.cost.prefill_chunk > 0:
                 req.prefill = max(req.prefill, 1)
-            self.counters["reprefill_tokens"] += reuse - req.cached
+            if self.engine is None:
+                self.counters["reprefill_tokens"] += reuse - req.cached
+            elif c in es.lost:  # the engine's count: on a cell that evicted it, bar the last
+                es.lost.discard(c)
+                self.counters["reprefill_tokens"] += max(
+                    0, min(reuse, call.prompt_tokens - 1) - req.cached
+                )
             if es.cell is not None and es.cell is not c:
                 self.counters["moved_calls"] += 1
         else:  # handed over mid-call without its KV: its context so far is all re-prefilled
             self.counters["reprefill_tokens"] += req.prefill
+        if (
+            self.engine is not None
+            and es.cell is not None
+            and es.cell is not c
+            and es in es.cell.idle
+        ):
+            old = es.cell  # the engine leaves the context where it was, idle, until evicted
+            stale = _Stale(old, es.held, es)
+            old.idle = collections.OrderedDict(
+                (stale if k is es else k, v) for k, v in old.idle.items()
+            )
+            es.cell, es.held = None, 0.0
         self._forget(es)
         es.cell, es.held, es.peak = c, req.need, max(es.peak, req.need)
+        es.home = c
+        if self.engine is not None:
+            self.recent.append(req.need)
         c.kv_live += req.need
         self._evict(c)
 
@@ -508,9 +591,13 @@ class Simulator:
         """A call finished: its context stays resident, idle, most recently used."""
         es = req.ex
         c.kv_live -= req.need
-        c.idle[es] = req.need
-        c.kv_idle += req.need
-        es.cell, es.held = c, req.need
+        held = req.need
+        if self.engine is not None:  # the slot's cached length: the last token is not fed back
+            call = es.ex.calls[req.call]
+            held = call.prompt_tokens + call.completion_tokens - 1
+        c.idle[es] = held
+        c.kv_idle += held
+        es.cell, es.held = c, held
 
     def _hand_idle(self, es: _ExState, held: float, src: _Cell) -> float:
         """Hands an idle context over (migration, where it fits) -> tokens moved."""
@@ -795,7 +882,7 @@ class Simulator:
     def _end(self, es: _ExState, reason: str) -> None:
         es.ended, es.req = True, None
         self.open_es.discard(es)
-        if self.mem:
+        if self.mem and self.engine is None:  # the engine keeps it, idle, until evicted
             self._forget(es)
         if es.peak > 0:
             self.peak_sum += es.peak
@@ -875,6 +962,8 @@ class Simulator:
         self.opt_running = False
         self.version += 1
         self.step_end.append(self.t)
+        if self.engine is not None:
+            self._clear_idle()
         if self.cost.weight_load_s > 0:
             for c in self.cells:
                 if c.role == ROLLOUT and not c.switching:
@@ -889,6 +978,7 @@ def simulate(
     policy: str,
     cost: CostModel,
     params: PolicyParams = DEFAULT_PARAMS,
+    engine_pool: tuple[int, int] | None = None,
 ) -> SimResult:
     """Runs one policy over the workload; see the module docstring for the model."""
-    return Simulator(steps, num_cells, policy, cost, params).run()
+    return Simulator(steps, num_cells, policy, cost, params, engine_pool).run()
