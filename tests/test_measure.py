@@ -45,3 +45,15 @@ def test_a_micro_batch_is_timed_when_its_result_is_ready_not_at_dispatch():
     # ended (104), not at its dispatch (101), and was ready at once
     assert f.train[0].count == 1 and f.train[0].value == pytest.approx(200.0)
     assert f.train[1].count == 0
+
+
+def test_pool_counters_give_each_step_its_share():
+    from gyre.rl.measure import PoolCounters
+
+    pools = PoolCounters({"kv_evictions": 2, "kv_admissions": 4, "kv_admission_wait_s": 1.0,
+                          "kv_resident_contexts": 3})  # fmt: skip
+    row = pools.since_last({"kv_evictions": 5, "kv_admissions": 6, "kv_admission_wait_s": 2.0,
+                            "kv_resident_contexts": 1})  # fmt: skip
+    assert row["kv_evictions"] == 3 and row["kv_admissions"] == 2  # differences
+    assert row["kv_resident_contexts"] == 1  # current state passes through
+    assert row["kv_admission_wait_mean_s"] == pytest.approx(0.5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ def _pick(cls, section, **extra):
     return cls(**{k: section[k] for k in section.keys() if k in names}, **extra)
 
 
+@functools.cache  # build_specs runs several times per launch; the file is read once
 def _seed_train_tps(name: str) -> float:
     """Train tokens/s of one cell in the calibration ``name``: the policy's figure until the
     run has timed its own micro-batches."""

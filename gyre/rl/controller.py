@@ -31,14 +31,9 @@ from gyre.agent.harness import run_execution
 from gyre.elastic import policy as policies
 from gyre.rl import evaluation
 from gyre.rl.evaluation import Notifying
-from gyre.rl.measure import RunFigures
+from gyre.rl.measure import PoolCounters, RunFigures
 from gyre.rl.progress import RoleTimeline, TraceWriter
 from gyre.rl.work import StepRecord, StepWork, step_tasks
-
-# Pool counters that only grow (gyre/rollout/proxy.py, Proxy.kv_stats): rows carry each
-# step's share of them.
-KV_CUMULATIVE = ("kv_evictions", "kv_evicted_tokens", "kv_reprefilled_tokens", "kv_admissions",
-                 "kv_admission_wait_s", "kv_prompt_tokens", "kv_reused_tokens")  # fmt: skip
 
 
 class Controller:
@@ -74,7 +69,7 @@ class Controller:
         run = self.specs.run
         self.figures = RunFigures(len(rt.cells), run.seed_train_tps, run.switch_cost_s)
         self.gate: asyncio.Semaphore | None = None  # agent.concurrency executions at a time
-        self._kv_before = self.proxy.kv_stats()  # cumulative pool counters at the last step
+        self.pools = PoolCounters(self.proxy.kv_stats())
 
     def progress(self) -> None:
         """Something finished: a decision point for the loop, a beat for the watchdog."""
@@ -211,21 +206,8 @@ class Controller:
             work.step, self.trainer.version, work.version_at_dispatch,
             time.time() - work.dispatched_at, work.results, work.reports, outcome,
             self.timeline.fractions(), dict(self.handovers), self.proxy.prefix_hit_rate(),
-            self._kv_figures(),
+            self.pools.since_last(self.proxy.kv_stats()) | self.figures.as_metrics(),
         )  # fmt: skip
-
-    def _kv_figures(self) -> dict:
-        """The KV pools since the last step (cumulative counters as differences), their
-        current state, and the figures the policy used."""
-        now = self.proxy.kv_stats()
-        out = {k: v - self._kv_before[k] if k in KV_CUMULATIVE else v for k, v in now.items()}
-        self._kv_before = now
-        waits = out["kv_admissions"]
-        out["kv_admission_wait_mean_s"] = out["kv_admission_wait_s"] / waits if waits else 0.0
-        out["policy_train_tokens_per_s"] = sum(self.figures.train_throughput()) / len(self.roles)
-        out["policy_switch_r2t_s"] = self.figures.switch_r2t_s
-        out["policy_switch_t2r_s"] = self.figures.switch_t2r_s
-        return out
 
     # ------------------------------------------------------------------ evaluation
 

@@ -6,6 +6,8 @@
   the later of its dispatch and the end of the cell's previous micro-batch.
 - Switch seconds per direction: a running mean of timed role switches (hand-over and weight
   load included).
+- KV pools per step: :class:`PoolCounters` turns the proxy's cumulative counters into each
+  step's share.
 
 Each figure starts from a seed (a calibration, or the configured switch cost) and follows the
 run's measurements from the first one on. Cells that have not trained yet take the mean of
@@ -108,3 +110,28 @@ class RunFigures:
     @property
     def switch_t2r_s(self) -> float:
         return self.switch["t2r"].value
+
+    def as_metrics(self) -> dict:
+        """What the policy currently assumes, for a metrics row (``policy_*``)."""
+        tps = self.train_throughput()
+        return {"policy_train_tokens_per_s": sum(tps) / len(tps),
+                "policy_switch_r2t_s": self.switch_r2t_s,
+                "policy_switch_t2r_s": self.switch_t2r_s}  # fmt: skip
+
+
+class PoolCounters:
+    """Per-step KV-pool figures from ``Proxy.kv_stats()`` samples: the counters that only grow
+    become each step's share, the rest (current state) pass through."""
+
+    CUMULATIVE = ("kv_evictions", "kv_evicted_tokens", "kv_reprefilled_tokens", "kv_admissions",
+                  "kv_admission_wait_s", "kv_prompt_tokens", "kv_reused_tokens")  # fmt: skip
+
+    def __init__(self, first: dict):
+        self.before = first
+
+    def since_last(self, now: dict) -> dict:
+        out = {k: v - self.before[k] if k in self.CUMULATIVE else v for k, v in now.items()}
+        self.before = now
+        waits = out["kv_admissions"]
+        out["kv_admission_wait_mean_s"] = out["kv_admission_wait_s"] / waits if waits else 0.0
+        return out
