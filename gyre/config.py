@@ -84,6 +84,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.slots = 16
     c.rollout.max_len = 512
     c.rollout.prefill_chunk = 64
+    # Decode tokens per device loop (one dispatch and one host transfer each); requests join
+    # and leave slots, weights change and migrations happen between loops. 1 = one token
+    # per dispatch (gyre/rollout/programs.py).
+    c.rollout.decode_steps = 16
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.max_new_tokens = 32
@@ -207,6 +211,7 @@ BOUNDS: dict[str, Bound] = {
     "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(1), "train.max_bad_steps": _ge(0),
     "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
+    "rollout.decode_steps": _ge(1),
     "rollout.temperature": _ge(0), "rollout.top_p": UNIT_OPEN_LO, "rollout.max_new_tokens": _ge(1),
     "rollout.kv_tokens": _ge(0),
     "agent.max_calls": _ge(1), "agent.max_tokens": _ge(1), "agent.max_seconds": _gt(0),

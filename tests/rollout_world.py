@@ -16,6 +16,8 @@ def tiny_spec() -> RolloutSpec:
     m.d_model, m.num_layers, m.d_ff, m.num_heads, m.num_kv_heads, m.head_dim = 32, 2, 64, 2, 2, 16
     m.attention = "dense"  # the trainer-style reference forward of test_engine; engines ignore it
     cfg.rollout.slots, cfg.rollout.max_len, cfg.rollout.prefill_chunk = 4, 64, 16
+    # Short device loops: the tests stop, migrate and reweigh requests mid-generation.
+    cfg.rollout.decode_steps = 2
     return build_specs(cfg).rollout
 
 

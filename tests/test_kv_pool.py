@@ -122,7 +122,8 @@ def test_request_waits_in_the_proxy_until_the_pool_has_room():
 
     got = run(main())
     # b waits in the proxy (not in the engine) while a runs, then is admitted
-    assert seen[0] == (1, 1) and seen.count((1, 1)) >= a.max_new_tokens - 1
+    # (a pump runs one device loop of up to decode_steps tokens)
+    assert seen[0] == (1, 1) and seen.count((1, 1)) >= (a.max_new_tokens - 1) // SPEC.decode_steps
     assert seen[seen.count((1, 1))] == (0, 1) and seen[-1] == (0, 0)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g.tokens, w.tokens)
@@ -193,17 +194,20 @@ def test_slot_choice_keeps_other_contexts_until_they_are_least_recently_used():
     a = request("A", 0, np.concatenate([shared, tokens(6, 4)]), 4)
     call(a)
     call(request("B", 0, np.concatenate([shared, tokens(7, 4)]), 4))
-    # B shares 8 tokens with A's context but would cut it: it takes an empty slot instead
-    assert e.stats["reused_tokens"] == 0 and log[-1] == (["A", "B"], 0)
+    # B shares 8 tokens with A's context but would cut it: it takes an empty slot instead,
+    # with a copy of A's 8 shared tokens
+    assert e.stats["shared_tokens"] == e.stats["reused_tokens"] == 8
+    assert log[-1] == (["A", "B"], 0)
     held_a = e.slots[0].held.copy()
     call(request("C", 0, np.concatenate([held_a, [1, 2, 3]]), 4))  # extends all of A's: reused
-    assert e.stats["reused_tokens"] == 15 and log[-1] == (["B", "C"], 0)
+    assert e.stats["reused_tokens"] == 8 + 15 and log[-1] == (["B", "C"], 0)
     call(request("D", 0, tokens(8, 6), 4))
     call(request("E", 0, tokens(9, 6), 4))
     # no slot left empty: F takes the least recently used context (B's), reusing the shared part
     call(request("F", 0, np.concatenate([shared, tokens(10, 4)]), 4))
     assert log[-1] == (["C", "D", "E", "F"], 1)
-    assert e.stats["reused_tokens"] == 15 + 8 and e.stats["evicted_tokens"] == 15 - 8
+    assert e.stats["reused_tokens"] == 8 + 15 + 8 and e.stats["evicted_tokens"] == 15 - 8
+    assert e.stats["shared_tokens"] == 8
 
 
 def test_kv_stats_counters_and_capacity():

@@ -66,8 +66,9 @@ class TextEnvironment(abc.ABC):
         """Executes one tool call (unknown names and bad arguments: an 'ok' step saying so)."""
 
     @abc.abstractmethod
-    def answer(self, state, text: str) -> TextStep:
-        """The model replied without a tool call: ``text`` (thinking stripped) is its answer."""
+    async def answer(self, state, text: str) -> TextStep:
+        """The model replied without a tool call: ``text`` (thinking stripped) is its answer
+        (async: judging it may run code)."""
 
     @abc.abstractmethod
     def milestones(self, state) -> tuple[int, int]:

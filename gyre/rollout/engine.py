@@ -46,13 +46,14 @@ import collections
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from gyre import mesh as gmesh
-from gyre.rollout.programs import Programs, RolloutSpec, programs_for
+from gyre.rollout.programs import MAX_STOP_TOKENS, Programs, RolloutSpec, programs_for
 from gyre.rollout.types import GenerateRequest, GenerateResponse
 
 # Share of each device's memory kept out of a derived KV budget (activations, compiler scratch).
@@ -126,6 +127,11 @@ def validate_request(request: GenerateRequest, vocab_size: int, max_len: int) ->
         )
     if request.max_new_tokens < 1:
         raise ValueError(f"{name}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if len(request.stop_tokens) > MAX_STOP_TOKENS:
+        raise ValueError(
+            f"{name}: {len(request.stop_tokens)} stop tokens, at most {MAX_STOP_TOKENS} "
+            "(gyre/rollout/programs.py MAX_STOP_TOKENS)"
+        )
     if request.temperature is not None and request.temperature < 0:
         raise ValueError(f"{name}: temperature must be >= 0, got {request.temperature}")
     return prompt.astype(np.int32)
@@ -167,6 +173,9 @@ class Slot:
         self.live: Live | None = None
         self.last_used = -1
         self.owner: str | None = None  # execution whose context the slot holds
+        # Leading tokens whose K/V the current weights computed (a source for other slots'
+        # prompts only up to here: see Engine._share_prefixes).
+        self.clean = 0
 
     @property
     def charge(self) -> int:
@@ -178,8 +187,14 @@ class Slot:
         return self.buf[: self.length]
 
     def write(self, start: int, tokens: np.ndarray) -> None:
+        """Records tokens whose K/V the current weights just wrote at start.."""
         self.buf[start : start + tokens.size] = tokens
         self.length = start + tokens.size
+        self.clean = self.length if self.clean >= start else self.clean
+
+    def rewind(self, length: int) -> None:
+        self.length = length
+        self.clean = min(self.clean, length)
 
 
 @dataclasses.dataclass
@@ -219,6 +234,10 @@ class Engine:
         self.cell, self.vocab_size = cell, spec.model.vocab_size
         self.num_slots, self.max_len, self.chunk = r.slots, r.max_len, r.prefill_chunk
         self.temperature = float(r.temperature)
+        self.decode_steps = r.decode_steps
+        # Called after each program with (kind, figures): 'prefill' {seconds, rows, tokens}
+        # and 'decode' {seconds, rows, steps, context_tokens} (benchmarks, calibration).
+        self.on_timing: Callable[[str, dict], None] | None = None
         self.programs: Programs = programs_for(spec, cell)
         self.state = gmesh.move(state, self.programs.state_sh)
         self.version = version
@@ -244,21 +263,27 @@ class Engine:
             self.set_weights(state, self.version if version is None else version)
 
     def warmup(self) -> None:
-        """Compiles (or loads from the persistent cache) both programs now, not on first use.
+        """Compiles (or loads from the persistent cache) every program now, not on first use:
+        prefill, the decode loop (or step), the slot copy.
 
         Runs them with every write aimed past the cache (dropped), so no slot changes.
         """
-        beyond = np.array([self.max_len], np.int32)
-        zero = np.zeros(1, np.int32)
-        tokens = np.zeros((1, self.chunk), np.int32)
-        self.cache, _, _ = self.programs.prefill(
-            self.state, self.cache, tokens, beyond, zero, zero, *_identity([None])
-        )
         s = self.num_slots
-        idle = np.full(s, self.max_len, np.int32)
-        self.cache, _, _ = self.programs.decode(
-            self.state, self.cache, np.zeros(s, np.int32), idle, *_identity([None] * s)
+        idle, zero = np.full(s, self.max_len, np.int32), np.zeros(s, np.int32)
+        tokens = np.zeros((s, self.chunk), np.int32)
+        self.cache, _, _ = self.programs.prefill(
+            self.state, self.cache, tokens, idle, zero, zero, *_identity([None] * s), s
         )
+        if self.decode_steps == 1:
+            self.cache, _, _ = self.programs.decode(
+                self.state, self.cache, zero, idle, *_identity([None] * s)
+            )
+        else:
+            stops = np.full((s, MAX_STOP_TOKENS), -1, np.int32)
+            self.cache, *_ = self.programs.decode_loop(
+                self.state, self.cache, zero, idle, zero, stops, *_identity([None] * s), False
+            )
+        self.cache = self.programs.copy_slot(self.cache, np.int32(0), np.int32(0))
 
     def suspend(self) -> None:
         """Frees the cache (the cell leaves rollout). Every live request must be gone first."""
@@ -279,8 +304,10 @@ class Engine:
         self.state = gmesh.move(state, self.programs.state_sh)
         self.version = int(version)
         for slot in self.slots:
+            slot.clean = 0  # K/V in the cache is the old weights'
             if slot.live is None:
-                slot.length, slot.owner = 0, None
+                slot.rewind(0)
+                slot.owner = None
         self.evicted.clear()
 
     # ------------------------------------------------------------------ the KV pool
@@ -330,7 +357,8 @@ class Engine:
                 self.evicted.popitem(last=False)
         self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += slot.length - keep
-        slot.length, slot.owner = keep, None
+        slot.rewind(keep)
+        slot.owner = None
 
     def _make_room(self, need: int, target: Slot) -> None:
         """Evicts idle contexts but ``target``'s, least recently used first, until every other
@@ -419,11 +447,12 @@ class Engine:
         slot = self.slots[i]
         if slot.length and slot.owner != me:
             self._evict(slot)
-        slot.length = 0
+        slot.rewind(0)
         self._make_room(lv.reserve, slot)
         rows = gmesh.move(exp.rows, self.programs.rows_sh)
         self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
         slot.write(0, exp.held)
+        slot.clean = 0  # computed on another cell, maybe by other weights: never a source
         slot.live, slot.owner, slot.last_used = lv, me, next(self._clock)
         self.evicted.pop(me, None)
         self.stats["imported"] += 1
@@ -450,7 +479,7 @@ class Engine:
         slot = self.slots[best]
         if slot.length > reuse and slot.owner != me:
             self._evict(slot, keep=reuse)  # another execution's context: cut to the shared prefix
-        slot.length = reuse  # rewind
+        slot.rewind(reuse)
         self._make_room(lv.reserve, slot)
         record = self.evicted.pop(me, None)
         if record is not None:
@@ -481,27 +510,93 @@ class Engine:
             slot.live = None
             slot.last_used = next(self._clock)
 
-    def _prefill_one(self, slot_index: int, done: list) -> None:
-        slot, lv = self.slots[slot_index], self.slots[slot_index].live
-        start = slot.length
-        piece = lv.prompt[start : start + self.chunk]
-        tokens_1xC = np.zeros((1, self.chunk), np.int32)
-        tokens_1xC[0, : piece.size] = piece
-        self.cache, tok, lp = self.programs.prefill(
-            self.state,
-            self.cache,
-            tokens_1xC,
-            np.array([start], np.int32),
-            np.array([slot_index], np.int32),
-            np.array([piece.size - 1], np.int32),
-            *_identity([lv]),
+    # ------------------------------------------------------------------ prefill
+
+    def _source(self, i: int) -> tuple[int, int]:
+        """(slot, tokens) of the resident K/V that serves most of slot i's prompt (the
+        current weights' only; at most P - 1 tokens, the last one is always prefilled)."""
+        lv, best, best_n = self.slots[i].live, -1, 0
+        for j, s in enumerate(self.slots):
+            if j != i and s.clean > best_n:
+                n = min(common_prefix(lv.prompt, s.held[: s.clean]), lv.prompt.size - 1)
+                if n > best_n:
+                    best, best_n = j, n
+        return best, best_n
+
+    def _share_prefixes(self, pending: list[int]) -> list[int]:
+        """Copies resident prefixes into the prefilling slots; -> the slots to prefill now.
+
+        A slot whose prompt shares more than it holds with another slot's resident K/V gets
+        a copy of it. A slot whose prompt shares more with an earlier prefilling slot's
+        prompt than that slot holds yet waits for it (the samples of one task, submitted
+        together, prefill their prompt once). The first prefilling slot never waits.
+        """
+        ready = []
+        for k, i in enumerate(pending):
+            slot = self.slots[i]
+            src, n = self._source(i)
+            if n > slot.length:
+                self.cache = self.programs.copy_slot(self.cache, np.int32(src), np.int32(i))
+                self.stats["shared_tokens"] += n - slot.length
+                self.stats["reused_tokens"] += n - slot.length
+                slot.write(0, slot.live.prompt[:n])
+            p = slot.live.prompt
+            waits = any(
+                min(common_prefix(p, self.slots[j].live.prompt), p.size - 1)
+                > max(slot.length, self.slots[j].length)
+                for j in pending[:k]
+            )
+            if not waits:
+                ready.append(i)
+        return ready
+
+    def _prefill_rows(self, rows: list[int], done: list) -> None:
+        """One chunk for each slot in ``rows`` (distinct) in one call."""
+        b = self.num_slots
+        tokens_BxC = np.zeros((b, self.chunk), np.int32)
+        start_B = np.full(b, self.max_len, np.int32)  # padding rows write past the cache
+        slot_B, last_B = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        lives, pieces = [None] * b, []
+        for k, i in enumerate(rows):
+            slot = self.slots[i]
+            piece = slot.live.prompt[slot.length : slot.length + self.chunk]
+            tokens_BxC[k, : piece.size] = piece
+            start_B[k], slot_B[k], last_B[k], lives[k] = slot.length, i, piece.size - 1, slot.live
+            pieces.append(piece)
+        t0 = time.perf_counter()
+        self.cache, tok_B, lp_B = self.programs.prefill(
+            self.state, self.cache, tokens_BxC, start_B, slot_B, last_B, *_identity(lives),
+            len(rows),
         )
-        slot.write(start, piece)
-        self.stats["prefill_chunks"] += 1
-        if slot.length == lv.prompt.size:
-            self._record(slot, int(tok[0]), float(lp[0]), done)
+        self.stats["prefill_chunks"] += len(rows)
+        self.stats["prefill_calls"] += 1
+        ends = [k for k, i in enumerate(rows) if start_B[k] + pieces[k].size == lives[k].prompt.size]
+        if ends or self.on_timing is not None:
+            tok_B, lp_B = np.asarray(tok_B), np.asarray(lp_B)  # waits for the call
+        if self.on_timing is not None:
+            real = sum(p.size for p in pieces)
+            self.on_timing("prefill", {"seconds": time.perf_counter() - t0, "rows": len(rows),
+                                       "tokens": real})  # fmt: skip
+        for k, i in enumerate(rows):
+            self.slots[i].write(int(start_B[k]), pieces[k])
+        for k in ends:
+            self._record(self.slots[rows[k]], int(tok_B[k]), float(lp_B[k]), done)
+
+    def _prefill(self, done: list) -> None:
+        """Prefills every admitted prompt to its end: rounds of one batched chunk per slot."""
+        while True:
+            pending = [
+                i for i, s in enumerate(self.slots)
+                if s.live is not None and s.length < s.live.prompt.size
+            ]  # fmt: skip
+            if not pending:
+                return
+            self._prefill_rows(self._share_prefixes(pending), done)
+
+    # ------------------------------------------------------------------ decode
 
     def _decode(self, active: list[int], done: list) -> None:
+        """Decodes the active slots: one step (``decode_steps`` = 1) or one device loop."""
         s = self.num_slots
         tokens_S = np.zeros(s, np.int32)
         start_S = np.full(s, self.max_len, np.int32)  # inactive rows write past the cache
@@ -511,18 +606,45 @@ class Engine:
             lives[i] = slot.live
             tokens_S[i] = slot.live.tokens[-1]
             start_S[i] = slot.length
-        self.cache, tok_S, lp_S = self.programs.decode(
-            self.state, self.cache, tokens_S, start_S, *_identity(lives)
-        )
-        tok_S, lp_S = np.asarray(tok_S), np.asarray(lp_S)
-        self.stats["decode_steps"] += 1
+        t0 = time.perf_counter()
+        if self.decode_steps == 1:
+            self.cache, tok_S, lp_S = self.programs.decode(
+                self.state, self.cache, tokens_S, start_S, *_identity(lives)
+            )
+            tok_NxS, lp_NxS, steps = np.asarray(tok_S)[None], np.asarray(lp_S)[None], 1
+        else:
+            left_S = np.zeros(s, np.int32)
+            stop_SxK = np.full((s, MAX_STOP_TOKENS), -1, np.int32)
+            for i in active:
+                lv = self.slots[i].live
+                left_S[i] = lv.max_new - len(lv.tokens)
+                stop_SxK[i, : len(lv.request.stop_tokens)] = lv.request.stop_tokens
+            self.cache, tok_NxS, lp_NxS, steps = self.programs.decode_loop(
+                self.state, self.cache, tokens_S, start_S, left_S, stop_SxK,
+                *_identity(lives), bool(self.queue),
+            )  # fmt: skip
+            tok_NxS, lp_NxS, steps = np.asarray(tok_NxS), np.asarray(lp_NxS), int(steps)
+        if self.on_timing is not None:
+            ctx = sum(self.slots[i].length for i in active)
+            self.on_timing("decode", {"seconds": time.perf_counter() - t0, "rows": len(active),
+                                      "steps": steps, "context_tokens": ctx})  # fmt: skip
+        self.stats["decode_steps"] += steps
+        self.stats["decode_loops"] += 1
+        produced = 0
         for i in active:
             slot = self.slots[i]
-            slot.write(slot.length, tokens_S[i : i + 1])
-            self._record(slot, int(tok_S[i]), float(lp_S[i]), done)
+            n = steps if self.decode_steps == 1 else int((tok_NxS[:steps, i] >= 0).sum())
+            produced += n
+            fed = np.concatenate([tokens_S[i : i + 1], tok_NxS[: n - 1, i]])
+            slot.write(slot.length, fed.astype(np.int32))
+            for t in range(n):
+                self._record(slot, int(tok_NxS[t, i]), float(lp_NxS[t, i]), done)
+        # Slot-steps of the loop in which a slot had finished and sat idle (see issue 17).
+        self.stats["decode_slot_steps"] += steps * len(active)
+        self.stats["decode_idle_slot_steps"] += steps * len(active) - produced
 
     def step(self) -> list[tuple[int, GenerateResponse]]:
-        """Admits queued requests, one prefill chunk per prefilling slot, one decode step.
+        """Admits queued requests, prefills their prompts, one decode loop (or step).
 
         Returns the requests finished in this step as (rid, response).
         """
@@ -531,9 +653,7 @@ class Engine:
         while self.queue and self._place(self.queue[0]):
             self.queue.popleft()
         done: list = []
-        for i, slot in enumerate(self.slots):
-            if slot.live is not None and slot.length < slot.live.prompt.size:
-                self._prefill_one(i, done)
+        self._prefill(done)
         active = [i for i, s in enumerate(self.slots) if s.live is not None and s.live.tokens]
         if active:
             self._decode(active, done)

@@ -1,7 +1,11 @@
-"""The jit programs of a rollout cell: chunked prefill, batched decode, KV row moves.
+"""The jit programs of a rollout cell: batched chunked prefill, decode loops, KV row moves.
 
-Every shape is fixed (one prefill chunk for one slot; one decode token for every slot), so
-each compiles once per cell, and every engine built for the same (cell, config) shares them.
+Shapes are fixed: a prefill call takes one ``prefill_chunk`` for each of up to ``slots`` slots
+and runs the given number of rows in a loop on the device; a decode loop runs up to
+``decode_steps`` tokens for every slot inside one jitted ``while_loop`` (finished and idle
+slots write nowhere) and returns all new tokens in one transfer. So the number of live
+requests never changes a shape: each program compiles once per cell, and every engine built
+for the same (cell, config) shares them (:func:`programs_for`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ class RolloutSpec:
     slots: int = 16  # KV slots per cell (concurrent requests)
     max_len: int = 512  # tokens per slot
     prefill_chunk: int = 64
+    # Decode tokens per device loop: one dispatch and one host transfer per loop; 1 = a
+    # program of one step per dispatch (the reference path the loop must equal bit for bit).
+    decode_steps: int = 16
     temperature: float = 1.0  # default for requests that set none
     top_p: float = 1.0
     seed: int = 0  # sampler base key
@@ -35,11 +42,15 @@ class RolloutSpec:
     kv_tokens: int = 0
 
     def __post_init__(self):
-        for name in ("slots", "max_len", "prefill_chunk"):
+        for name in ("slots", "max_len", "prefill_chunk", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens < 0:
             raise ValueError(f"rollout.kv_tokens must be >= 0, got {self.kv_tokens}")
+
+
+# Stop ids a request may give (the decode loop checks them on the device, padded with -1).
+MAX_STOP_TOKENS = 8
 
 
 class Programs:
@@ -60,9 +71,10 @@ class Programs:
         rep = NamedSharding(cell.mesh, PartitionSpec())
         vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
         base = sampler.base_key(r.seed)
+        max_len = m
         graphdef, top_p = self.graphdef, float(r.top_p)
 
-        def prefill(state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1, temp_1):
+        def prefill_row(state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1, temp_1):
             pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
             hidden, cache = gdec.apply_cached(
                 graphdef, state, tokens_1xC, pos_1xC, cache, slot_1, start_1
@@ -72,7 +84,32 @@ class Programs:
             keys = sampler.token_keys(base, hash_1, call_1, start_1 + last_1 + 1)
             return (cache, *sampler.sample(logits_1xV, keys, temp_1, top_p))
 
+        def prefill(state, cache, tokens_SxC, start_S, slot_S, last_S, hash_S, call_S, temp_S,
+                    rows):  # fmt: skip
+            """One chunk for each of the first ``rows`` rows (a slot each), in one dispatch.
+
+            Rows run one after another at the shape of one (a loop on the device), so a
+            row's numbers never depend on which rows share its call, and rows past ``rows``
+            cost nothing. -> (cache, token int32[S], logprob float32[S]): each row's token
+            sampled after index last_S (used when the chunk ends the prompt)."""
+
+            def body(carry):
+                i, cache, tok_S, lp_S = carry
+                row = lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1)  # noqa: E731
+                cache, tok_1, lp_1 = prefill_row(
+                    state, cache, row(tokens_SxC), row(start_S), row(slot_S), row(last_S),
+                    row(hash_S), row(call_S), row(temp_S),
+                )  # fmt: skip
+                tok_S = jax.lax.dynamic_update_slice_in_dim(tok_S, tok_1, i, 0)
+                lp_S = jax.lax.dynamic_update_slice_in_dim(lp_S, lp_1, i, 0)
+                return i + 1, cache, tok_S, lp_S
+
+            init = (jnp.int32(0), cache, jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.float32))
+            _, cache, tok_S, lp_S = jax.lax.while_loop(lambda c: c[0] < rows, body, init)
+            return cache, tok_S, lp_S
+
         def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+            """One token for every slot; rows with start >= max_len write nowhere."""
             slot_S = jnp.arange(s, dtype=jnp.int32)
             hidden, cache = gdec.apply_cached(
                 graphdef, state, tokens_S[:, None], start_S[:, None], cache, slot_S, start_S
@@ -80,6 +117,50 @@ class Programs:
             logits_SxV = gdec.apply_logits(graphdef, state, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
             return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
+
+        n = r.decode_steps
+
+        def decode_loop(state, cache, tokens_S, start_S, left_S, stop_SxK, hash_S, call_S,
+                        temp_S, exit_on_free):  # fmt: skip
+            """Up to ``n`` decode steps on the device. A slot runs while ``left_S`` > 0 (its
+            token budget; 0 = idle) and stops after sampling one of its stop ids. The loop
+            ends after n steps, when no slot runs, or (``exit_on_free``: requests wait for a
+            slot) as soon as one slot has finished. -> (cache, tokens int32[n, S] (-1 where
+            the slot did not run), logprobs float32[n, S], steps run)."""
+
+            def cond(carry):
+                i, _, _, _, left_S, _, _ = carry
+                running_S = left_S > 0
+                freed = jnp.any(~running_S & (left0_S > 0))
+                return (i < n) & jnp.any(running_S) & ~(exit_on_free & freed)
+
+            def body(carry):
+                i, cache, tok_S, pos_S, left_S, out_tok, out_lp = carry
+                run_S = left_S > 0
+                write_S = jnp.where(run_S, pos_S, max_len)  # idle rows write past the cache
+                cache, new_S, lp_S = decode(state, cache, tok_S, write_S, hash_S, call_S, temp_S)
+                stopped_S = jnp.any(new_S[:, None] == stop_SxK, axis=1)
+                out_tok = out_tok.at[i].set(jnp.where(run_S, new_S, -1))
+                out_lp = out_lp.at[i].set(jnp.where(run_S, lp_S, 0.0))
+                tok_S = jnp.where(run_S, new_S, tok_S)
+                pos_S = pos_S + run_S.astype(pos_S.dtype)
+                left_S = jnp.where(stopped_S, 0, jnp.maximum(left_S - 1, 0))
+                return i + 1, cache, tok_S, pos_S, left_S, out_tok, out_lp
+
+            left0_S = left_S
+            init = (jnp.int32(0), cache, tokens_S, start_S, left_S,
+                    jnp.full((n, s), -1, jnp.int32), jnp.zeros((n, s), jnp.float32))  # fmt: skip
+            steps, cache, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
+            return cache, out_tok, out_lp, steps
+
+        def copy_slot(cache, src, dst):
+            """Slot ``dst`` becomes a copy of slot ``src`` (the caller keeps a prefix of it)."""
+            return {
+                k: jax.lax.dynamic_update_slice_in_dim(
+                    v, jax.lax.dynamic_slice_in_dim(v, src, 1, axis=1), dst, axis=1
+                )
+                for k, v in cache.items()
+            }
 
         def read_rows(cache, slot):
             return {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in cache.items()}
@@ -98,6 +179,16 @@ class Programs:
             in_shardings=(self.state_sh, self.cache_sh, vec, vec, vec, vec, vec),
             out_shardings=(self.cache_sh, vec, vec),
         )
+        mat = gmesh.sharding_for(cell, "rollout", (None, "batch"), (n, s), "rollout.slots")
+        stop_sh = gmesh.sharding_for(cell, "rollout", ("batch", None), (s, MAX_STOP_TOKENS),
+                                     "rollout.slots")  # fmt: skip
+        self.decode_loop = jax.jit(
+            decode_loop,
+            donate_argnums=1,
+            in_shardings=(self.state_sh, self.cache_sh, vec, vec, vec, stop_sh, vec, vec, vec, rep),
+            out_shardings=(self.cache_sh, mat, mat, rep),
+        )
+        self.copy_slot = jax.jit(copy_slot, donate_argnums=0, out_shardings=self.cache_sh)
         self.read_rows = jax.jit(read_rows, out_shardings=self.rows_sh)
         self.write_rows = jax.jit(write_rows, donate_argnums=0, out_shardings=self.cache_sh)
         zeros = lambda: {k: jnp.zeros(cache_shape, spec.dtype) for k in "kv"}

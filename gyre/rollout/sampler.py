@@ -60,8 +60,14 @@ def sample(logits_BxV, keys_Bx2, temperature_B, top_p: float = 1.0):
     if top_p < 1.0:
         scaled_BxV = jnp.where(nucleus_mask(scaled_BxV, top_p), scaled_BxV, -jnp.inf)
     logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
-    drawn_B = jax.vmap(jax.random.categorical)(keys_Bx2, logp_BxV)
     argmax_B = jnp.argmax(logits_BxV, axis=-1)
+    # The draw (a Gumbel number per vocabulary entry and row) is skipped when every row is
+    # greedy: its result would be discarded, and on CPU it costs as much as a small layer.
+    drawn_B = jax.lax.cond(
+        jnp.any(~greedy_B),
+        lambda: jax.vmap(jax.random.categorical)(keys_Bx2, logp_BxV).astype(argmax_B.dtype),
+        lambda: argmax_B,
+    )
     token_B = jnp.where(greedy_B, argmax_B, drawn_B).astype(jnp.int32)
     greedy_logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
     chosen_BxV = jnp.where(greedy_B[:, None], greedy_logp_BxV, logp_BxV)

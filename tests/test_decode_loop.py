@@ -1,0 +1,155 @@
+"""Decode loops on the device and shared prefill (issue 17): the loop equals one token per
+dispatch bit for bit; the samples of one task prefill their prompt once; nothing recompiles as
+the number of live requests changes; the loop's idle slot-steps are counted exactly."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from benchmarks.switch import CompileCounter
+from rollout_world import CELLS, SPEC, STATE
+
+from gyre.rollout.engine import Engine
+from gyre.rollout.types import GenerateRequest
+
+
+def request(name, prompt, new, temperature=1.0, stop=(), call=0):
+    return GenerateRequest(name, call, np.asarray(prompt, np.int32), new, tuple(stop), temperature)
+
+
+def prompt(seed, n):
+    return np.random.default_rng(seed).integers(0, 64, n).astype(np.int32)
+
+
+STOPS = (3, 7, 11, 13, 17, 19, 23, 29)  # 8 of 64 ids: some requests stop early
+
+
+def run(requests, steps, cell=0):
+    engine = Engine(dataclasses.replace(SPEC, decode_steps=steps), CELLS[cell], STATE)
+    rids = [engine.submit(r) for r in requests]
+    out = engine.run_until_done()
+    return [out[r] for r in rids], engine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_loop_equals_one_token_per_dispatch_bit_for_bit(temperature):
+    # 6 requests on 4 slots (two wait), mixed prompt lengths, budgets and stop tokens (the
+    # last token of a free run, plus ids never drawn: the check looks at every entry)
+    reqs = [request(f"e{i}", prompt(i, 3 + 9 * i), 4 + 5 * i, temperature) for i in range(6)]
+    free, _ = run(reqs, 1)
+    reqs = [dataclasses.replace(r, stop_tokens=(*STOPS[:7], int(f.tokens[-1])) if i % 2 else ())
+            for i, (r, f) in enumerate(zip(reqs, free))]  # fmt: skip
+    want, one = run(reqs, 1)
+    for steps in (3, 16):
+        got, loop = run(reqs, steps)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g.tokens, w.tokens)
+            np.testing.assert_array_equal(g.logprobs, w.logprobs)
+            assert g.finish_reason == w.finish_reason
+        assert loop.stats["generated"] == one.stats["generated"]
+        assert loop.stats["decode_loops"] < one.stats["decode_loops"]
+    assert any(w.finish_reason == "stop" for w in want) and any(
+        w.finish_reason == "length" for w in want
+    )
+
+
+def test_stop_and_budget_are_checked_on_the_device():
+    (free,), _ = run([request("s", prompt(1, 10), 30, 0.0)], 1)
+    stop = int(free.tokens[5])
+    k = int(np.flatnonzero(free.tokens == stop)[0])
+    (cut,), engine = run([request("s", prompt(1, 10), 30, 0.0, stop=(stop,))], 16)
+    np.testing.assert_array_equal(cut.tokens, free.tokens[: k + 1])
+    assert cut.finish_reason == "stop"
+    # the loop ran only as far as the stop: nothing was generated past it
+    assert engine.stats["decode_steps"] == k and engine.stats["generated"] == k + 1
+
+
+def test_idle_slot_steps_are_counted_exactly():
+    # budgets 3 and 12: after prefill each holds 1 token; one loop of 11 steps, in which the
+    # first request runs 2 steps and then sits idle for 9
+    reqs = [request("a", prompt(1, 6), 3, 0.0), request("b", prompt(2, 6), 12, 0.0)]
+    _, engine = run(reqs, 16)
+    assert engine.stats["decode_loops"] == 1 and engine.stats["decode_steps"] == 11
+    assert engine.stats["decode_slot_steps"] == 22 and engine.stats["decode_idle_slot_steps"] == 9
+
+
+def test_a_waiting_request_ends_the_loop_when_a_slot_frees():
+    # 4 slots busy, a fifth waits: the loop returns as soon as the shortest request ends
+    reqs = [request(f"r{i}", prompt(i, 6), 3 if i == 0 else 30, 0.0) for i in range(5)]
+    engine = Engine(dataclasses.replace(SPEC, decode_steps=16), CELLS[0], STATE)
+    for r in reqs:
+        engine.submit(r)
+    done = engine.step()  # prefill 4 + a loop that stops when r0 ends (2 steps)
+    assert [engine.slots[i].live is None for i in range(4)].count(True) == 1 and len(done) == 1
+    assert engine.stats["decode_steps"] == 2 and len(engine.queue) == 1
+    engine.step()  # r4 is admitted at once
+    assert not engine.queue
+
+
+def test_samples_of_one_task_prefill_their_prompt_once():
+    shared = prompt(3, 40)  # 3 chunks of 16
+    reqs = [request(f"sample{i}", shared, 6, 1.0) for i in range(4)]
+    alone = [run([r], 16)[0][0] for r in reqs]
+    got, engine = run(reqs, 16)
+    # the leader prefills 3 chunks; each follower copies 39 tokens and prefills the last one
+    assert engine.stats["prefill_chunks"] == 3 + 3
+    assert engine.stats["shared_tokens"] == 3 * 39
+    for a, g in zip(alone, got):
+        np.testing.assert_array_equal(g.tokens, a.tokens)
+        np.testing.assert_allclose(g.logprobs, a.logprobs, rtol=0, atol=1e-5)
+    assert len({tuple(g.tokens) for g in got}) > 1  # keyed per execution: samples differ
+
+
+def test_a_resident_prefix_of_a_live_request_is_reused():
+    head = prompt(4, 20)
+    first = request("first", head, 40, 0.0)
+    engine = Engine(dataclasses.replace(SPEC, decode_steps=2), CELLS[0], STATE)
+    engine.submit(first)
+    engine.step()  # first is live and holds its prompt
+    second = request("second", np.concatenate([head, prompt(5, 5)]), 4, 0.0)
+    rid = engine.submit(second)
+    out = engine.run_until_done()
+    assert engine.stats["shared_tokens"] == 20
+    alone = run([second], 2)[0][0]
+    np.testing.assert_array_equal(out[rid].tokens, alone.tokens)
+
+
+def test_new_weights_make_resident_prefixes_unusable_as_sources():
+    import jax
+
+    head = prompt(6, 20)
+    engine = Engine(dataclasses.replace(SPEC, decode_steps=2), CELLS[0], STATE)
+    engine.submit(request("old", head, 40, 0.0))
+    engine.step()
+    engine.set_weights(jax.tree.map(lambda x: x * 1.05, STATE), 1)
+    engine.submit(request("new", np.concatenate([head, [1, 2]]), 3, 0.0))
+    engine.run_until_done()
+    assert engine.stats["shared_tokens"] == 0  # the live request's K/V is the old weights'
+
+
+def test_nothing_recompiles_as_the_number_of_live_requests_changes():
+    spec = dataclasses.replace(SPEC, decode_steps=4)
+    engine = Engine(spec, CELLS[2], STATE)
+    engine.warmup()
+    counter = CompileCounter()
+    counter.active = True
+    try:
+        for n in (1, 3, 4, 6, 2):
+            for i in range(n):
+                engine.submit(request(f"n{n}-{i}", prompt(n * 10 + i, 2 + 7 * i), 1 + 3 * i,
+                                      0.0 if i % 2 else 1.0, stop=(5,) * (i % 3)))  # fmt: skip
+            engine.run_until_done()
+        shared = prompt(99, 30)
+        for i in range(3):
+            engine.submit(request(f"g{i}", shared, 5))
+        engine.run_until_done()
+    finally:
+        counter.active = False
+    assert engine.stats["shared_tokens"] > 0
+    assert counter.compiles == 0, f"{counter.compiles} compilations after warmup"
+
+
+def test_too_many_stop_tokens_is_refused_by_name():
+    engine = Engine(SPEC, CELLS[0], STATE)
+    with pytest.raises(ValueError, match="9 stop tokens, at most 8"):
+        engine.submit(request("x", prompt(1, 4), 3, stop=tuple(range(9))))
