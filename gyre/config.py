@@ -180,7 +180,9 @@ class Bound:
     def __str__(self) -> str:
         if self.hi is None:
             return f"{'>' if self.lo_open else '>='} {self.lo}"
-        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        return (
+            f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        )
 
 
 def _ge(x):

@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from benchmarks.switch import CompileCounter
 from rollout_world import CELLS, SPEC, STATE
 
+from benchmarks.switch import CompileCounter
 from gyre.rollout.engine import Engine
 from gyre.rollout.types import GenerateRequest
 

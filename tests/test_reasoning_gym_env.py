@@ -60,8 +60,7 @@ def test_a_wrong_answer_fails_with_score_zero(env):
     state = env.reset(env.make_tasks(12, 1)[0])
     wrong = str(int(state.entry["answer"]) + 1)
     step = answer(
-        env,
-        state, f"<answer>{state.entry['answer']}</answer> no wait\n<answer>{wrong}</answer>"
+        env, state, f"<answer>{state.entry['answer']}</answer> no wait\n<answer>{wrong}</answer>"
     )
     assert step.kind == "fail" and state.answer == wrong
     assert env.score(state) == 0.0 and env.milestones(state) == (0, 1)

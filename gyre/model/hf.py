@@ -48,6 +48,19 @@ LAYER_NAMES = {
 }
 
 
+def _typed(key: str, value, kind: type):
+    """A config.json value checked against the field's type (bool("false") would be True)."""
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        float: isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
+    }.get(kind, True)
+    if not ok:
+        want = {bool: "true or false", int: "a positive integer", float: "a positive number"}
+        raise ValueError(f"config.json {key}={value!r} is not {want[kind]}")
+    return kind(value)
+
+
 def config_from_hf(hf: dict, base: decoder.ModelSpec) -> decoder.ModelSpec:
     """``base`` with its architecture fields replaced by an HF Qwen3 config.json dict's; the
     others (dtype, attention, attn_block) are kept."""
@@ -64,13 +77,18 @@ def config_from_hf(hf: dict, base: decoder.ModelSpec) -> decoder.ModelSpec:
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"config.json rope type {rope.get('rope_type')!r} is not supported")
     hf = dict(hf)
-    hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if "head_dim" not in hf:  # Qwen3 configs may leave it implicit
+        for key in ("hidden_size", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"config.json lacks {key!r}")
+            _typed(key, hf[key], int)
+        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
     hf.setdefault("tie_word_embeddings", False)
     arch = {}
     for ours, theirs in CONFIG_KEYS.items():
         if theirs not in hf:
             raise ValueError(f"config.json lacks {theirs!r}")
-        arch[ours] = type(getattr(base, ours))(hf[theirs])
+        arch[ours] = _typed(theirs, hf[theirs], type(getattr(base, ours)))
     arch["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     return dataclasses.replace(base, **arch)
 

@@ -565,12 +565,20 @@ class Engine:
             pieces.append(piece)
         t0 = time.perf_counter()
         self.cache, tok_B, lp_B = self.programs.prefill(
-            self.state, self.cache, tokens_BxC, start_B, slot_B, last_B, *_identity(lives),
+            self.state,
+            self.cache,
+            tokens_BxC,
+            start_B,
+            slot_B,
+            last_B,
+            *_identity(lives),
             len(rows),
         )
         self.stats["prefill_chunks"] += len(rows)
         self.stats["prefill_calls"] += 1
-        ends = [k for k, i in enumerate(rows) if start_B[k] + pieces[k].size == lives[k].prompt.size]
+        ends = [
+            k for k, i in enumerate(rows) if start_B[k] + pieces[k].size == lives[k].prompt.size
+        ]
         if ends or self.on_timing is not None:
             tok_B, lp_B = np.asarray(tok_B), np.asarray(lp_B)  # waits for the call
         if self.on_timing is not None:
