@@ -397,7 +397,7 @@ BAD = {
     ),
     "broken chat template": (
         _edit_json("tokenizer_config.json", lambda c: c.update(chat_template="{% if x %}")),
-        r"tokenizer_config\.json field chat_template: chat template does not parse",
+        r"tokenizer_config\.json field chat_template: chat template: syntax error at line 1",
     ),
     "named templates without default": (
         _edit_json("tokenizer_config.json", lambda c: c.update(chat_template=[{"name": "tool_use", "template": "x"}])),

@@ -199,10 +199,14 @@ class Decoder(nnx.Module):
         in a padded chunk are computed and written like real ones; the caller ignores their
         outputs and later overwrites their entries (the next write starts at the true length).
         Writes past max_len are dropped, so keep start + T <= max_len for real tokens.
-        Slots must be distinct within one call.
+        Slots must be distinct within one call. ``slot_B=None``: row b is slot b, every slot
+        (decode), which reads each layer's cache in place instead of gathering its rows.
         """
         spec, dtype = self.spec, self.dtype
         t = tokens_BxT.shape[1]
+        every = slot_B is None
+        if every:
+            slot_B = jnp.arange(tokens_BxT.shape[0], dtype=start_B.dtype)
         idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
         slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
         x = self.embed[...].astype(dtype)[tokens_BxT]
@@ -213,8 +217,8 @@ class Decoder(nnx.Module):
             q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
             ck = ck.at[layer, slot_BxT, idx_BxT].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[layer, slot_BxT, idx_BxT].set(v.astype(cv.dtype), mode="drop")
-            k_BxMxKxDh = ck[layer][slot_B].astype(dtype)
-            v_BxMxKxDh = cv[layer][slot_B].astype(dtype)
+            k_BxMxKxDh = (ck[layer] if every else ck[layer][slot_B]).astype(dtype)
+            v_BxMxKxDh = (cv[layer] if every else cv[layer][slot_B]).astype(dtype)
             out = attention.cached_attention(q, k_BxMxKxDh, v_BxMxKxDh, idx_BxT, start_B + t)
             return (_finish_block(p, x, out, spec, dtype), ck, cv), None
 

@@ -11,22 +11,18 @@ before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import functools
 import json
 import os
 import re
 import shutil
 
 import jax
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import ml_dtypes
 import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
+from gyre.agent.chat import compile_template
 from gyre.model import decoder, hf
 from gyre.model.hf import CheckpointError
 
@@ -148,35 +144,10 @@ def _read_chat_template(folder: str, tok_config: dict) -> str:
         if not isinstance(template, str):
             raise _fail(cfg_path, f"chat_template is {type(template).__name__}, not a string")
     try:  # compile now: a broken template should stop the run here, not mid-rollout
-        chat_environment().parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise CheckpointError(
-            f"{where}: chat template does not parse (line {e.lineno}: {e.message})"
-        ) from e
+        compile_template(template)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e
     return template
-
-
-@functools.cache
-def chat_environment() -> jinja2.Environment:
-    """The Jinja environment transformers renders chat templates in (apply_chat_template):
-    sandboxed, trim_blocks and lstrip_blocks, loop controls, a ``tojson`` that keeps non-ASCII
-    and does not HTML-escape, ``raise_exception`` and ``strftime_now``."""
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
 
 
 def render_chat(
@@ -189,12 +160,8 @@ def render_chat(
     """The text transformers' ``apply_chat_template(..., tokenize=False)`` renders for a
     conversation (dicts with role/content/tool_calls/reasoning_content; ``tools`` as JSON
     schemas; extra variables such as ``enable_thinking`` or ``eos_token`` in ``kwargs``)."""
-    return (
-        chat_environment()
-        .from_string(template)
-        .render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+    return compile_template(template).render(
+        messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
     )
 
 

@@ -110,9 +110,8 @@ class Programs:
 
         def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
             """One token for every slot; rows with start >= max_len write nowhere."""
-            slot_S = jnp.arange(s, dtype=jnp.int32)
             hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_S[:, None], start_S[:, None], cache, slot_S, start_S
+                graphdef, state, tokens_S[:, None], start_S[:, None], cache, None, start_S
             )
             logits_SxV = gdec.apply_logits(graphdef, state, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
