@@ -117,6 +117,12 @@ def default_config() -> ml_collections.ConfigDict:
     # Chaos testing: this share of tool calls crashes or hangs (gyre/envs/faults.py); the
     # harness retries them as infrastructure errors, never as the policy's failures.
     c.env.fault_rate = 0.0
+    # Chat environments (code, reasoning_gym; gyre/envs/registry.py) speak text through the
+    # checkpoint's tokenizer and chat template (model.hf_dir).
+    c.env.tasks = ""  # reasoning_gym: comma-separated task names ("" = basic_arithmetic)
+    c.env.max_runs = 8  # code: test runs before the task counts as failed
+    c.env.keep_thinking = False  # the environment sees (True) or strips the <think> text
+    c.env.enable_thinking = True  # the chat template's enable_thinking switch
 
     # What the experiment does; run.entry names the library function (see gyre/run.py).
     c.run = ml_collections.ConfigDict()
@@ -221,6 +227,7 @@ BOUNDS: dict[str, Bound] = {
     "agent.concurrency": _ge(1),
     "env.num_ops": _ge(1), "env.modulus": _ge(2), "env.tool_latency": _ge(0),
     "env.partial_scale": UNIT_OPEN_HI, "env.fault_rate": UNIT_OPEN_HI, "env.tool_timeout": _gt(0),
+    "env.max_runs": _ge(1),
     "run.steps": _ge(1), "run.tasks_per_step": _ge(1), "run.samples_per_task": _ge(1),
     "run.watchdog_s": _ge(0),
     "scheduler.max_staleness": _ge(0), "scheduler.async_rollout_cells": _ge(0),

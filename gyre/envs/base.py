@@ -106,6 +106,11 @@ class Environment(abc.ABC):
     def milestones(self, state) -> tuple[int, int]:
         """(completed, total) milestones of the main state."""
 
+    def render_tokens(self, tokens: np.ndarray) -> str:
+        """Readable text of int32[T] tokens (transcripts); subclasses with a vocabulary
+        override it."""
+        return " ".join(str(int(t)) for t in np.asarray(tokens))
+
     def judge(self, state, end_reason: str, partial_scale: float) -> float | None:
         """Score in [0, 1]: 1 for success, else partial_scale * completed / total.
 

@@ -83,6 +83,9 @@ class ChatEnvironment(Environment):
         self.max_calls = max_calls
         self.name = getattr(text_env, "name", type(text_env).__name__)
 
+    def render_tokens(self, tokens) -> str:
+        return self.chat.decode(tokens)
+
     def make_tasks(self, seed: int, n: int, split: str = "train") -> list[Task]:
         return self.text_env.make_tasks(seed, n, split)
 

@@ -57,6 +57,11 @@ class CodeEnv(Environment):
     vocab_size = B.SIZE
     stop_tokens = (B.EOS,)
 
+    def render_tokens(self, tokens):
+        tokens = np.asarray(tokens)
+        text = B.decode(tokens)
+        return text if text is not None else " ".join(str(int(t)) for t in tokens)
+
     def __init__(self, limits: SandboxLimits | None = None, max_runs: int = 8,
                  max_file_bytes: int = 4096, tool_timeout: float = 30.0):  # fmt: skip
         require_isolation()  # never run untrusted code unconfined: refuse to start instead
@@ -64,7 +69,8 @@ class CodeEnv(Environment):
         self.max_runs, self.max_file_bytes = max_runs, max_file_bytes
         self.tool_timeout = tool_timeout
 
-    def make_tasks(self, seed: int, n: int) -> list[Task]:
+    def make_tasks(self, seed: int, n: int, split: str = "train") -> list[Task]:
+        del split  # held-out tasks come from held-out seeds (gyre/rl/evaluation.py)
         names = sorted(PROBLEMS)
         picks = np.random.default_rng(seed).integers(len(names), size=n)
         return [Task(f"code-{seed}-{j}", int(p), (names[p],)) for j, p in enumerate(picks)]

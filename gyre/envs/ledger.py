@@ -76,6 +76,9 @@ class LedgerEnv(Environment):
     vocab_size = V.VOCAB_SIZE
     stop_tokens = (V.EOS,)
 
+    def render_tokens(self, tokens):
+        return V.decode(tokens)
+
     def __init__(self, num_ops=8, modulus=10, header_ops=64, max_wrong=2, latency=0.0,
                  latency_dist="lognormal", tool_timeout=30.0):  # fmt: skip
         if num_ops < 1 or modulus < 2 or header_ops < 1 or max_wrong < 0:
@@ -89,7 +92,8 @@ class LedgerEnv(Environment):
         self.max_wrong, self.latency, self.latency_dist = max_wrong, latency, latency_dist
         self.tool_timeout = tool_timeout
 
-    def make_tasks(self, seed: int, n: int) -> list[Task]:
+    def make_tasks(self, seed: int, n: int, split: str = "train") -> list[Task]:
+        del split  # held-out tasks come from held-out seeds (gyre/rl/evaluation.py)
         seeds = np.random.default_rng(seed).integers(0, 2**31 - 1, size=n)
         return [Task(f"ledger-{seed}-{j}", int(s)) for j, s in enumerate(seeds)]
 

@@ -11,10 +11,13 @@ decoder. Neither needs torch or transformers.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
 import json
 import os
 import random
+import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -327,3 +330,28 @@ def write_tokenizer_files(
     config = tokenizer_config(tokenizer, chat_template)
     hf_dir.write_json(os.path.join(path, "tokenizer_config.json"), config)
     hf_dir.write_json(os.path.join(path, "generation_config.json"), generation_config(tokenizer))
+
+
+def cached_tiny_qwen3(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
+    """A :func:`write_tiny_qwen3` directory for (spec, seed) under ``root``, written once.
+
+    Named by a hash of what it depends on (the HF config of ``spec``, the seed, the chat
+    template), so every run of the same architecture shares one; written to a temporary
+    folder first and renamed, so a crash never leaves half a checkpoint and two runs racing
+    to make it both end up with the same files.
+    """
+    key = json.dumps([hf.config_to_hf(spec), seed, QWEN3_CHAT_TEMPLATE], sort_keys=True)
+    path = os.path.join(root, "qwen3-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    if os.path.isdir(path):
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+    try:
+        write_tiny_qwen3(tmp, spec, seed)
+        os.rename(tmp, path)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

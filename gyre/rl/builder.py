@@ -23,7 +23,7 @@ from gyre.agent.context import AgentSettings
 from gyre.elastic import calibration
 from gyre.elastic.policy import PolicyParams
 from gyre.envs.base import Environment
-from gyre.envs.registry import EnvSpec, make_env
+from gyre.envs.registry import EnvSpec, is_chat, make_env
 from gyre.errors import ConfigError
 from gyre.model import decoder, hf
 from gyre.rl import evaluation
@@ -46,6 +46,42 @@ def _pick(cls, section, **extra):
     return cls(**{k: section[k] for k in section.keys() if k in names}, **extra)
 
 
+def _checkpoint_model(cfg, model: decoder.ModelSpec) -> tuple[str, decoder.ModelSpec]:
+    """(directory, architecture) of ``model.hf_dir``.
+
+    "" = none (random init from the config's architecture); "tiny" = a tiny Qwen3 directory
+    of the config's architecture with a locally trained tokenizer, written once into the
+    cache (gyre/model/tiny_checkpoint.py): CPU runs of chat tasks go through the same loading
+    path as a real checkpoint. A directory with a tokenizer (a Hugging Face Qwen3
+    checkpoint) defines the architecture: the config's model.* keys then only set what
+    config.json does not hold (attention implementation, dtype). A directory without one (a
+    ledger export) must match the config's architecture (checked when it loads).
+    """
+    path = cfg.model.hf_dir
+    if path == "tiny":
+        from gyre.cache import cache_dir
+        from gyre.model.tiny_checkpoint import cached_tiny_qwen3
+
+        path = cached_tiny_qwen3(cache_dir("tiny_qwen3"), model, cfg.seed)
+    if path and _has_tokenizer(path):
+        return path, _read_checkpoint(path, model).spec
+    return path, model
+
+
+def _has_tokenizer(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+@functools.cache  # build_specs runs several times per launch; the files are read once
+def _read_checkpoint(path: str, base: decoder.ModelSpec):
+    from gyre.model.hf_dir import read_checkpoint
+
+    try:
+        return read_checkpoint(path, base)
+    except ValueError as e:  # CheckpointError names the file and the field
+        raise ConfigError(f"config key 'model.hf_dir' ({path}): {e}") from e
+
+
 @functools.cache  # build_specs runs several times per launch; the file is read once
 def _seed_train_tps(name: str) -> float:
     """Train tokens/s of one cell in the calibration ``name``: the policy's figure until the
@@ -60,7 +96,10 @@ def _seed_train_tps(name: str) -> float:
 def build_specs(cfg) -> Specs:
     """Every part's spec from a validated config; a value a part rejects is a ConfigError."""
     try:
-        model = _pick(decoder.ModelSpec, cfg.model)
+        init_dir, model = _checkpoint_model(cfg, _pick(decoder.ModelSpec, cfg.model))
+        if is_chat(cfg.env.name) and cfg.sft.steps:
+            raise ConfigError(f"config key 'sft.steps' must be 0 for the chat task "
+                              f"{cfg.env.name!r}: the warm start makes ledger demonstrations")  # fmt: skip
         trainer = TrainerSpec(
             model=model,
             optimizer=_pick(OptimizerSpec, cfg.train),
@@ -77,17 +116,25 @@ def build_specs(cfg) -> Specs:
         # packing ablation, PPO clipping) leave its cache key, and its cached weights, alone.
         recipe = SftRecipe(
             trainer=dataclasses.replace(
-                trainer, objective="sft", seed=sft_seed, loss=LossSpec(),
+                trainer,
+                objective="sft",
+                seed=sft_seed,
+                loss=LossSpec(),
                 optimizer=dataclasses.replace(trainer.optimizer, lr=cfg.sft.lr),
             ),  # fmt: skip
             # every path of a demonstration is a target, each token weighing the same
-            trajectory=TrajectorySpec(model.vocab_size, max_paths=0, loss_mode="token-mean",
-                                      row_len=trajectory.row_len,
-                                      rows_per_microbatch=trajectory.rows_per_microbatch),  # fmt: skip
+            trajectory=TrajectorySpec(
+                model.vocab_size,
+                max_paths=0,
+                loss_mode="token-mean",
+                row_len=trajectory.row_len,
+                rows_per_microbatch=trajectory.rows_per_microbatch,
+            ),  # fmt: skip
             # the task only: demonstrations never call a tool, so tool limits, injected faults
             # and the RL seed leave the warm start (and its cache key) as it is
-            env=dataclasses.replace(env, tool_timeout=EnvSpec.tool_timeout, fault_rate=0.0,
-                                    seed=0),  # fmt: skip
+            env=dataclasses.replace(
+                env, tool_timeout=EnvSpec.tool_timeout, fault_rate=0.0, seed=0
+            ),  # fmt: skip
             batch=cfg.sft.batch,
             mistake_prob=cfg.sft.mistake_prob,
             context_window=cfg.agent.context_window,
@@ -96,24 +143,40 @@ def build_specs(cfg) -> Specs:
         return Specs(
             name=cfg.name,
             seed=cfg.seed,
-            init_dir=cfg.model.hf_dir,
+            init_dir=init_dir,
             mesh=_pick(mesh.MeshSpec, cfg.mesh),
             model=model,
             rollout=_pick(RolloutSpec, cfg.rollout, model=model, seed=cfg.seed),
             trainer=trainer,
             trajectory=trajectory,
-            agent=_pick(AgentSettings, cfg.agent, max_new_tokens=cfg.rollout.max_new_tokens,
-                        partial_scale=cfg.env.partial_scale),  # fmt: skip
+            agent=_pick(
+                AgentSettings,
+                cfg.agent,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                partial_scale=cfg.env.partial_scale,
+            ),  # fmt: skip
             env=env,
             policy=_pick(PolicyParams, cfg.scheduler),
-            run=_pick(RunSpec, cfg.run, policy=cfg.scheduler.policy,
-                      handover=cfg.scheduler.handover, switch_cost_s=cfg.scheduler.switch_cost_s,
-                      checkpoint_every=cfg.train.checkpoint_every,
-                      keep_checkpoints=cfg.train.keep_checkpoints, seed=cfg.seed,
-                      seed_train_tps=_seed_train_tps(cfg.scheduler.calibration)),  # fmt: skip
+            run=_pick(
+                RunSpec,
+                cfg.run,
+                policy=cfg.scheduler.policy,
+                handover=cfg.scheduler.handover,
+                switch_cost_s=cfg.scheduler.switch_cost_s,
+                checkpoint_every=cfg.train.checkpoint_every,
+                keep_checkpoints=cfg.train.keep_checkpoints,
+                seed=cfg.seed,
+                seed_train_tps=_seed_train_tps(cfg.scheduler.calibration),
+            ),  # fmt: skip
             eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.eval.temperature, cfg.seed),
-            sft=SftSpec(recipe, cfg.sft.steps, cfg.sft.target_accuracy, cfg.sft.eval_every,
-                        max(cfg.eval.tasks, 16), cfg.sft.dir),  # fmt: skip
+            sft=SftSpec(
+                recipe,
+                cfg.sft.steps,
+                cfg.sft.target_accuracy,
+                cfg.sft.eval_every,
+                max(cfg.eval.tasks, 16),
+                cfg.sft.dir,
+            ),  # fmt: skip
         )
     except ConfigError:
         raise
@@ -166,7 +229,12 @@ class Runtime:
 
 
 def load_initial(specs: Specs, cell):
-    """The weights of ``specs.init_dir`` on ``cell``; its architecture must be the config's."""
+    """The weights of ``specs.init_dir`` on ``cell``; a directory without a tokenizer (a
+    ledger export) must have the config's architecture."""
+    if _has_tokenizer(specs.init_dir):
+        from gyre.model.hf_dir import load_weights
+
+        return load_weights(_read_checkpoint(specs.init_dir, specs.model), cell, "train")[1]
     try:
         _, params, spec = hf.load_hf(specs.init_dir, specs.model, cell, "train")
     except (OSError, ValueError) as e:
@@ -183,6 +251,8 @@ def environment(specs: Specs, with_model: bool = True):
     """The run's environment, checked against the model when one samples from it (run.py
     calls it before writing anything, so a mismatch costs one line, not a half-made
     workdir)."""
+    if is_chat(specs.env.name):
+        return make_env(specs.env, chat_format(specs))
     env = make_env(specs.env)
     if with_model and env.vocab_size != specs.model.vocab_size:
         # A larger model vocabulary would sample ids the environment cannot read.
@@ -191,6 +261,21 @@ def environment(specs: Specs, with_model: bool = True):
             f"{specs.env.name} vocabulary ({env.vocab_size})"
         )
     return env
+
+
+def chat_format(specs: Specs):
+    """The checkpoint's tokenizer and chat template, for chat environments; ConfigError
+    without a checkpoint that has them."""
+    from gyre.agent.chat import ChatFormat
+
+    if not specs.init_dir or not _has_tokenizer(specs.init_dir):
+        raise ConfigError(
+            f"config key 'env.name' ({specs.env.name!r}) is a chat task: set model.hf_dir to a "
+            "Qwen3 checkpoint directory with its tokenizer (or 'tiny' for a small local one)"
+        )
+    ckpt = _read_checkpoint(specs.init_dir, specs.model)
+    return ChatFormat.from_checkpoint(ckpt, keep_thinking=specs.env.keep_thinking,
+                                      enable_thinking=specs.env.enable_thinking)  # fmt: skip
 
 
 def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:

@@ -45,7 +45,9 @@ async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: i
     """Success and milestone rate on ``num_tasks`` held-out tasks keyed by ``seed``, greedy
     (temperature 0) or sampled. Sampling is keyed by execution, so every evaluation of one
     run draws the same random numbers: before/after differences are not sampling luck."""
-    tasks = env.make_tasks(HELD_OUT_BASE + seed, num_tasks)
+    # held-out twice over: seeds no training step draws, and the environment's eval split
+    # (disjoint problems, where it has them)
+    tasks = env.make_tasks(HELD_OUT_BASE + seed, num_tasks, split="eval")
     res = await run_executions(env, tasks, Temperature(client, temperature), settings)
     success = np.asarray([r.end_reason == "success" for r in res], np.float64)
     milestones = np.asarray([r.milestones / max(1, r.num_milestones) for r in res])

@@ -17,7 +17,7 @@ import time
 from gyre import plots, smoke
 from gyre.agent.driver import run_scripted_harness
 from gyre.cache import cache_dir
-from gyre.envs.registry import make_env
+from gyre.envs.registry import is_chat, make_env
 from gyre.errors import AlreadyFinished, Stopped
 from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics, write_json
 from gyre.model.hf import save_hf
@@ -104,7 +104,8 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict,
         hb.status = lambda: (f"warm start step {progress['step']}/{total}, "
                              f"{eta(hb.elapsed(), progress['step'], total)} (at most)")  # fmt: skip
         params, summary["warm_start"] = run_warm_start(
-            rt, hb.say, lambda step, info: (beat(), progress.update(step=step)))
+            rt, hb.say, lambda step, info: (beat(), progress.update(step=step))
+        )
         rt.install(params)
         for row in summary["warm_start"].pop("history", []):
             writer.scalars("warmstart", row["step"], row)
@@ -179,6 +180,8 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
             writer.close()
             rt.checkpointer.close()
             timeline.save(rt.path("timeline.json"))
+    if complete and is_chat(specs.env.name):  # the trained policy, in the layout it came in
+        export_checkpoint(rt, rt.trainer.params)
     if not complete:
         raise Stopped(f"stopped on request after step {rt.trainer.version}/{steps}, "
                       f"checkpointed: relaunch the same command to continue {workdir}")  # fmt: skip
@@ -193,7 +196,7 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
         eval_end={k: v for k, v in last.items() if k.startswith("eval_")},
         eval_end_outcomes=recorder.eval_outcomes,
         switches=timeline.switches,
-        handovers={k[len("handover_"):]: v for k, v in last.items() if k.startswith("handover_")},
+        handovers={k[len("handover_") :]: v for k, v in last.items() if k.startswith("handover_")},
         prefix_hit_rate=round(rt.proxy.prefix_hit_rate(), 4),
         finished=True,
     )
@@ -208,6 +211,20 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
     return summary
 
 
+def export_checkpoint(rt, params) -> str:
+    """Writes ``params`` to <workdir>/hf: a Hugging Face Qwen3 directory (with the starting
+    checkpoint's tokenizer and chat template when it had them; it opens in transformers)."""
+    specs, path = rt.specs, rt.path("hf")
+    if specs.init_dir and os.path.isfile(os.path.join(specs.init_dir, "tokenizer.json")):
+        from gyre.model.hf_dir import read_checkpoint, save_checkpoint
+
+        source = read_checkpoint(specs.init_dir, specs.model)
+        save_checkpoint(path, rt.graphdef, params, specs.model, source)
+    else:
+        save_hf(path, rt.graphdef, params, specs.model)
+    return path
+
+
 def sft(cfg, workdir: str) -> dict:
     """The warm start alone, exported as a Hugging Face checkpoint in <workdir>/hf (a run
     starts from it with --config.model.hf_dir=<workdir>/hf)."""
@@ -217,7 +234,7 @@ def sft(cfg, workdir: str) -> dict:
         params, info = run_warm_start(rt)
     finally:
         rt.checkpointer.close()
-    save_hf(rt.path("hf"), rt.graphdef, params, specs.model)
+    export_checkpoint(rt, params)
     info["eval"] = rt.evaluate_now(params, max(specs.eval.tasks, 16), specs.seed)
     del info["eval"]["eval_outcomes"]
     print(f"warm start exported to {rt.path('hf')}: {json.dumps(info)}", flush=True)
