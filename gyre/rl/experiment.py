@@ -25,6 +25,7 @@ from gyre.rl.builder import build_runtime, build_specs
 from gyre.rl.controller import Controller
 from gyre.rl.progress import RoleTimeline, RunLedger
 from gyre.rl.report import rl_status, summary_table, where_line
+from gyre.rl.transcripts import write_step_transcripts
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
 from gyre.signals import armed, stop_requested
@@ -51,6 +52,9 @@ class StepRecorder:
         specs = self.rt.specs
         metrics = step_metrics(record, specs.trajectory.reward)
         self.ledger.record_step(record.step, record.execution_ids)
+        # what the agent did, readable: the best, the worst and two more of the step
+        write_step_transcripts(self.rt.path("executions.txt"), record.version, record.results,
+                               self.rt.env.render_tokens)  # fmt: skip
         last = record.version == specs.run.steps
         if specs.eval.due(record.version, last):
             ev = specs.eval
