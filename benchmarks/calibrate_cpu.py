@@ -7,9 +7,10 @@ The setting is the one ``benchmarks/sim_vs_real.py`` runs: experiments/quickstar
 cells of ``--cell_size`` fake CPU devices. Everything is timed through the objects the
 controller itself uses (a Controller is built in a temporary workdir):
 
-- engine: chunked prefill (one fixed-shape chunk per call) and batched decode steps, timed
-  inside ``Engine.step`` while batches of B requests of P prompt tokens run to completion;
-  decode rows are (active batch, sum of contexts, median step seconds);
+- engine: chunked prefill and batched decode (steps or device loops), timed per program call
+  through ``Engine.on_timing`` while batches of B requests of P prompt tokens run to
+  completion; decode rows are (active batch, sum of contexts, median seconds per token step),
+  the rows ``benchmarks/decode.py``'s load sweep writes;
 - train: ``Trainer.compute_grads`` on micro-batches holding 1..R real rows (fixed shape);
 - step: ``apply_step`` (optimizer on the core), publication to the rollout engines and the
   checkpoint the controller saves after every step;
@@ -65,28 +66,25 @@ def setup(cfg, workdir: str) -> None:
 def time_engine(engine, batches, prompts, new_tokens: int, repeats: int, seed: int = 0):
     """Runs requests through ``engine``; -> (prefill rows, decode rows).
 
-    Prefill rows come from single requests: a call's non-final chunks return before their
-    compute is done (async dispatch) and its final chunk waits for it, so only the sum over
-    the call's chunks, with nothing else running, is its cost.
+    Timed through the engine's ``on_timing`` hook (each program call, waited for). Prefill
+    rows come from single requests: the sum over the request's prefill calls, with nothing
+    else running. Decode rows are per token step, as ``benchmarks/decode.py`` writes them: a
+    call running ``steps`` tokens (a device loop) counts seconds / steps, at the mean of the
+    live rows' cached tokens over its steps (their sum at the call + rows x (steps - 1) / 2).
     """
     from gyre.rollout.types import GenerateRequest
 
-    call_s = collections.defaultdict(float)  # rid -> prefill seconds
-    dec = collections.defaultdict(list)  # (B, P, batch) -> [(ctx, s)]
-    prefill_one, decode = engine._prefill_one, engine._decode
+    prefill_s = collections.defaultdict(float)  # key -> prefill seconds
+    dec = collections.defaultdict(list)  # (B, P, batch) -> [(ctx, s per step, steps)]
     key = None
 
-    def timed_prefill(i, done):
-        rid = engine.slots[i].live.rid
-        t = time.perf_counter()
-        prefill_one(i, done)
-        call_s[rid] += time.perf_counter() - t
-
-    def timed_decode(active, done):
-        ctx = sum(engine.slots[i].length for i in active)
-        t = time.perf_counter()
-        decode(active, done)  # blocks: tokens come back to the host
-        dec[key + (len(active),)].append((ctx, time.perf_counter() - t))
+    def on_timing(kind: str, t: dict) -> None:
+        if kind == "prefill":
+            prefill_s[key] += t["seconds"]
+        elif kind == "decode" and t["steps"]:
+            n, rows = t["steps"], t["rows"]
+            ctx = t["context_tokens"] + rows * (n - 1) / 2
+            dec[key + (rows,)].append((ctx, t["seconds"] / n, n))
 
     rng = np.random.default_rng(seed)
 
@@ -95,30 +93,34 @@ def time_engine(engine, batches, prompts, new_tokens: int, repeats: int, seed: i
         return [engine.submit(GenerateRequest(f"cal-{tag}-{j}", 0, prompts_BxP[j], new_tokens))
                 for j in range(b)]  # fmt: skip
 
-    engine._prefill_one, engine._decode = timed_prefill, timed_decode
+    engine.warmup()  # every program compiled or loaded before anything is timed
+    engine.on_timing = on_timing
     prefill_rows = []
     try:
-        engine.run_until_done()  # warm: both programs compiled or loaded
         for p in prompts:
-            key, chunks, one = ("prefill", p), -(-p // engine.chunk), []
+            chunks, one = -(-p // engine.chunk), []
             for r in range(3 * repeats + 1):
-                (rid,) = submit(1, p, f"p{p}-{r}")
+                key = ("prefill", p, r)
+                submit(1, p, f"p{p}-{r}")
                 engine.run_until_done()
-                one.append(call_s[rid])
+                one.append(prefill_s[key])
             prefill_rows.append({"tokens": chunks * engine.chunk, "prompt_tokens": p,
                                  "seconds": float(np.median(one[1:]))})  # fmt: skip
         dec.clear()
         for p in prompts:
             for b in batches:
                 key = (b, p)
-                for r in range(repeats):
+                for r in range(max(repeats, 3 * new_tokens)):  # >= 3 calls of the full batch
+                    if r >= repeats and len(dec[key + (b,)]) >= 3:
+                        break
                     submit(b, p, f"d{b}-{p}-{r}")
                     engine.run_until_done()
     finally:
-        del engine._prefill_one, engine._decode
+        engine.on_timing = None
     decode_rows = [
-        {"batch": k[2], "context_tokens": float(np.mean([c for c, _ in v])),
-         "step_s": float(np.median([s for _, s in v])), "samples": len(v)}
+        {"batch": k[2], "context_tokens": float(np.average([c for c, _, _ in v],
+                                                           weights=[n for _, _, n in v])),
+         "step_s": float(np.median([s for _, s, _ in v])), "samples": sum(n for _, _, n in v)}
         for k, v in sorted(dec.items()) if len(v) >= 3
     ]  # fmt: skip
     return prefill_rows, decode_rows
@@ -216,7 +218,7 @@ def calibrate(cell_size: int = 4, repeats: int = 3, cache_dir: str = "/tmp/xcach
     train, mb = time_train(ctrl, cfg, 3 * repeats)
     step = time_step(ctrl, mb, 3 * repeats)
     switch = time_switch(ctrl, 2 * repeats)
-    ctrl.ckpt.close()
+    ctrl.rt.checkpointer.close()
     m = cfg.model
     return {
         "source": "python benchmarks/calibrate_cpu.py --cell_size "

@@ -157,7 +157,8 @@ def test_bad_inputs_raise_clearly():
 
 
 def naive_cached(q, k_cache, v_cache, q_pos_index, kv_len):
-    """Per-query numpy loop: softmax over cache entries j <= pos, j < kv_len."""
+    """Per-query numpy loop: softmax over cache entries j <= pos, j < kv_len (cache
+    [B, M, KVH, Dh], the layout a reader would write down first)."""
     b, t, h, d = q.shape
     group = h // k_cache.shape[2]
     out = np.zeros(q.shape, np.float64)
@@ -182,7 +183,10 @@ def test_cached_attention_decode_and_prefill():
     # with entries beyond kv_len holding garbage that must not leak in.
     q_pos_index = jnp.array([[5, 6, 7], [20, 21, 22]], jnp.int32)
     kv_len = jnp.array([8, 23], jnp.int32)
-    out = attention.cached_attention(q, k_cache, v_cache, q_pos_index, kv_len)
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  the cache's [B, KVH, M, Dh]
+    out = attention.cached_attention(
+        q, heads_first(k_cache), heads_first(v_cache), q_pos_index, kv_len
+    )
     ref = naive_cached(*(np.asarray(x) for x in (q, k_cache, v_cache, q_pos_index, kv_len)))
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
@@ -190,6 +194,8 @@ def test_cached_attention_decode_and_prefill():
 def test_cached_attention_equals_causal_tree_attention():
     q, k, v, _ = random_qkv(8)
     positions = jnp.broadcast_to(jnp.arange(T), (2, T))
-    out = attention.cached_attention(q, k, v, positions, jnp.full((2,), T))
+    out = attention.cached_attention(
+        q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), positions, jnp.full((2,), T)
+    )
     ref = attention.dense_attention(q, k, v, jnp.full((2, T), T, jnp.int32))
     np.testing.assert_allclose(out, ref, atol=1e-5)

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -95,3 +97,62 @@ def test_reward_ablation_averages_seeds_and_reports_the_difference(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/reward_ablation.py", "partial"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode != 0 and "LABEL=WORKDIR" in bad.stderr
+
+
+def test_decode_load_sweep_writes_a_calibration_its_fit_reproduces(tmp_path):
+    from gyre.elastic import calibration
+
+    path = tmp_path / "decode.json"
+    res = last_json(["benchmarks/decode.py", "--quick", "--load-only", "--write-calibration",
+                     str(path)])["load"]  # fmt: skip
+    spec = json.loads(path.read_text())
+    rows = spec["decode"]
+    grid = {(r["batch"], r["context_per_seq"]) for r in rows}
+    assert grid == {(b, c) for b in (1, 2, 4, 8) for c in (32, 160)} and len(rows) == len(grid)
+    for r in rows:
+        n = spec["setting"]["decode_steps"]
+        assert r["step_s"] > 0 and r["samples"] >= 3 * n  # several steady dispatches each
+        # context: prompt + the tokens sampled so far, on every live row
+        assert r["batch"] * r["context_per_seq"] <= r["context_tokens"]
+        assert r["context_tokens"] <= r["batch"] * (
+            r["context_per_seq"] + spec["setting"]["new_tokens"]
+        )
+        assert res["tok_s"][f"b{r['batch']}_c{r['context_per_seq']}"] == round(
+            r["batch"] / r["step_s"], 1
+        )
+    cost = calibration.load(str(path))  # the public loader, with the base it names
+    base = calibration.load(spec["base"])
+    assert cost.slots == res["slots"] == 8 and cost.prefill_per_token_s == base.prefill_per_token_s
+    rel = [abs(cost.decode_step_s(r["batch"], r["context_tokens"]) - r["step_s"]) / r["step_s"]
+           for r in rows]  # fmt: skip
+    assert max(rel) <= res["fit"]["max_rel_err"] * (1 + 1e-6) + 1e-12
+    assert max(rel) == pytest.approx(spec["fit"]["max_rel_err"], rel=1e-6)
+    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"):
+        assert getattr(cost, name) == pytest.approx(spec["fit"][name], rel=1e-9, abs=1e-15), name
+
+
+def test_decode_steps_option_works_with_and_without_the_spec_field():
+    import dataclasses
+    import importlib.util
+
+    mod_spec = importlib.util.spec_from_file_location(
+        "decode_bench", f"{ROOT}/benchmarks/decode.py"
+    )
+    decode = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(decode)
+
+    @dataclasses.dataclass(frozen=True)
+    class Old:
+        slots: int = 4
+
+    @dataclasses.dataclass(frozen=True)
+    class New:
+        slots: int = 4
+        decode_steps: int = 16
+
+    assert decode.with_decode_steps(Old(), None) == Old() and decode.tokens_per_dispatch(Old()) == 1
+    assert decode.with_decode_steps(Old(), 1) == Old()
+    with pytest.raises(SystemExit, match="no decode_steps field"):
+        decode.with_decode_steps(Old(), 4)
+    assert decode.tokens_per_dispatch(decode.with_decode_steps(New(), 4)) == 4
+    assert decode.tokens_per_dispatch(New()) == 16

@@ -1,6 +1,7 @@
 """Calibration fitting and the simulator's CPU options, on synthetic data only (no timing)."""
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -211,3 +212,140 @@ def test_engine_pool_hand_case():
     res = simulate(steps, 1, "colocate", cost, engine_pool=(12, 256))
     assert res.counters["evictions"] == 2
     assert res.counters["reprefill_tokens"] == 0  # no evicted execution comes back
+
+
+# ---------------------------------------------------------------- decode-only calibrations
+
+
+def decode_only(truth: CostModel, batches=(1, 2, 8, 32), contexts=(64, 1024)) -> dict:
+    """A decode-only measured calibration, laid out as benchmarks/decode.py writes it."""
+    rows = [
+        {"batch": b, "context_tokens": b * (c + 40.0), "step_s": truth.decode_step_s(b, b * (c + 40.0)),
+         "samples": 48, "context_per_seq": c, "round_spread": 0.1}
+        for c in contexts for b in batches
+    ]  # fmt: skip
+    return {"source": "test", "kind": "measured", "base": "cpu_measured", "decode": rows,
+            "fixed": {"slots": 32}}  # fmt: skip
+
+
+def test_decode_only_calibration_takes_the_rest_from_its_base():
+    truth = dataclasses.replace(COST, decode_per_ctx_token_s=2e-8)
+    cost = calibration.from_dict(decode_only(truth))
+    base = calibration.load("cpu_measured")
+    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"):
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    for name in ("prefill_per_token_s", "prefill_call_s", "microbatch_s", "train_per_token_s",
+                 "optimizer_s", "checkpoint_s", "switch_r2t_s", "prefill_chunk", "shared_cores"):  # fmt: skip
+        assert getattr(cost, name) == getattr(base, name), name
+    assert cost.slots == 32 and base.slots != 32  # this file's fixed section wins
+    assert cost.source == "test"
+
+
+def test_a_section_present_beside_a_base_is_fitted_not_inherited():
+    spec = decode_only(COST)
+    spec["prefill"] = [{"tokens": 100, "seconds": 0.01}, {"tokens": 300, "seconds": 0.03}]
+    cost = calibration.from_dict(spec)
+    assert cost.prefill_per_token_s == pytest.approx(1e-4)
+    assert cost.prefill_call_s == 0.0  # no intercepts: the base's fixed cost is not kept
+    assert cost.train_per_token_s == calibration.load("cpu_measured").train_per_token_s
+
+
+def test_decode_only_calibration_file_loads_by_path(tmp_path):
+    path = tmp_path / "dec.json"
+    path.write_text(json.dumps(decode_only(COST)))
+    cost = calibration.load(str(path))
+    for r in decode_only(COST)["decode"]:
+        assert cost.decode_step_s(r["batch"], r["context_tokens"]) == pytest.approx(r["step_s"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.floats(0, 1e5), st.floats(1e-4, 1e-1)),
+        min_size=3, max_size=24,
+    )
+)  # fmt: skip
+def test_decode_fit_is_the_non_negative_least_squares_fit(rows):
+    """Reference: scipy's NNLS on the same design; ours is never negative and never worse."""
+    optimize = pytest.importorskip("scipy.optimize")
+    import numpy as np
+
+    dec = np.array(rows, float)
+    design = np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]])
+    coef = np.array(calibration._fit_decode(dec))
+    assert np.all(coef >= 0)
+    # Column scaling keeps the reference solver well conditioned; it does not change the optimum.
+    scale = np.maximum(np.abs(design).max(0), 1.0)
+    ref, _ = optimize.nnls(design / scale, dec[:, 2])
+    sse = lambda c: float(np.sum((design @ c - dec[:, 2]) ** 2))
+    assert sse(coef) <= sse(ref / scale) * (1 + 1e-6) + 1e-18
+
+
+def test_decode_fit_keeps_the_plain_fit_when_it_is_non_negative():
+    truth = dataclasses.replace(COST, decode_per_ctx_token_s=3e-9)
+    meas = calibration.measurements(truth, noise=0.01, seed=3)
+    import numpy as np
+
+    dec = np.array([[r["batch"], r["context_tokens"], r["step_s"]] for r in meas["decode"]])
+    plain, *_ = np.linalg.lstsq(
+        np.column_stack([np.ones(len(dec)), dec[:, :2]]), dec[:, 2], rcond=None
+    )
+    assert np.all(plain > 0)
+    assert calibration._fit_decode(dec) == pytest.approx(tuple(plain), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda r: r.pop("step_s"), r"'decode' row 2 lacks field 'step_s'"),
+        (lambda r: r.pop("context_tokens"), r"'decode' row 2 lacks field 'context_tokens'"),
+        (lambda r: r.update(step_s=-0.001), r"'decode' row 2 field 'step_s' must be >= 0"),
+        (lambda r: r.update(context_tokens=-5), r"row 2 field 'context_tokens' must be >= 0"),
+        (lambda r: r.update(step_s=float("nan")), r"row 2 field 'step_s' must be a finite"),
+        (lambda r: r.update(step_s="fast"), r"row 2 field 'step_s' must be a finite"),
+        (lambda r: r.update(batch=True), r"row 2 field 'batch' must be a finite"),
+        (lambda r: r.update(batch=0), r"'decode' row 2 field 'batch' must be >= 1"),
+    ],
+)
+def test_bad_decode_rows_are_named(change, message):
+    spec = decode_only(COST)
+    change(spec["decode"][2])
+    with pytest.raises(ValueError, match=message):
+        calibration.from_dict(spec)
+
+
+def test_bad_decode_sections_and_bases_are_named(tmp_path):
+    spec = decode_only(COST)
+    spec["decode"] = {"batch": 1}
+    with pytest.raises(ValueError, match="'decode' must be a list of rows"):
+        calibration.from_dict(spec)
+    spec["decode"] = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="'decode' row 0 must be an object"):
+        calibration.from_dict(spec)
+    spec = decode_only(COST)
+    del spec["decode"]
+    with pytest.raises(ValueError, match="no 'decode' measurements"):
+        calibration.from_dict(spec)
+    spec = decode_only(COST)
+    del spec["base"]  # without a base, prefill and train must be measured here
+    with pytest.raises(ValueError, match="no 'prefill' measurements"):
+        calibration.from_dict(spec)
+    spec["base"] = "no_such_calibration"
+    with pytest.raises(ValueError, match="no calibration 'no_such_calibration'"):
+        calibration.from_dict(spec)
+    path = tmp_path / "loop.json"
+    spec["base"] = str(path)  # a file that is its own base
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="refers back to itself"):
+        calibration.load(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="loop.json: not valid JSON"):
+        calibration.load(str(path))
+    hw = {"source": "x", "kind": "hardware", "base": "cpu_measured"}
+    with pytest.raises(ValueError, match="'base' is for measured calibrations only"):
+        calibration.from_dict(hw)
+    bad_row = decode_only(COST)
+    bad_row["decode"][0]["step_s"] = -1.0
+    path.write_text(json.dumps(bad_row))
+    with pytest.raises(ValueError, match=r"loop.json: calibration 'decode' row 0 field 'step_s'"):
+        calibration.load(str(path))

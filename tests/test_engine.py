@@ -148,9 +148,9 @@ def test_model_parallel_cell_shards_kv_heads_and_agrees():
     req = make_request(5, 13, 8, 1.0)
     dp_out, dp = run_alone(CELLS[0], [req])
     mp_out, mp = run_alone(mp_cell, [req])
-    shape = dp.cache["k"].shape  # [L, S, M, KVH, Dh]
-    assert dp.cache["k"].sharding.shard_shape(shape) == (2, 2, 64, 2, 16)  # slots over data
-    assert mp.cache["k"].sharding.shard_shape(shape) == (2, 4, 64, 1, 16)  # kv heads over model
+    shape = dp.cache["k"].shape  # [L, S, KVH, M, Dh]
+    assert dp.cache["k"].sharding.shard_shape(shape) == (2, 2, 2, 64, 16)  # slots over data
+    assert mp.cache["k"].sharding.shard_shape(shape) == (2, 4, 1, 64, 16)  # kv heads over model
     np.testing.assert_array_equal(mp_out[0].tokens, dp_out[0].tokens)
     np.testing.assert_allclose(mp_out[0].logprobs, dp_out[0].logprobs, atol=1e-5)
 

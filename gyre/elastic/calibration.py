@@ -5,7 +5,8 @@ A calibration is a JSON file under ``gyre/elastic/calibrations/`` with a mandato
 
 - ``"measured"``: timings of the real programs, fitted by least squares.
     decode:  [{"batch": b, "context_tokens": sum of contexts in the batch, "step_s": t}, ...]
-             fits step_s = base + per_seq * batch + per_ctx * context_tokens
+             fits step_s = base + per_seq * batch + per_ctx * context_tokens (non-negative
+             least squares: a busier step never comes out cheaper)
     prefill: [{"tokens": n, "seconds": t}, ...]  fits seconds = per_token * tokens
     train:   [{"tokens": n, "seconds": t}, ...]  fits seconds = per_token * tokens (one cell)
     ``"intercepts": true`` fits prefill and train with a fixed cost each instead:
@@ -20,11 +21,18 @@ A calibration is a JSON file under ``gyre/elastic/calibrations/`` with a mandato
 
 Both take a ``fixed`` section for what is not fitted (switch costs, optimizer and publication
 time, slots, micro-batch tokens, cell_capacity). Fixed keys override fitted ones.
+
+A measured calibration may name a ``base`` (another calibration, by name or path): the base's
+cost model supplies every cost this file does not measure, so only ``decode`` is then required
+(``benchmarks/decode.py --write-calibration`` writes such a file: the decode curve of one cell
+under load, with prefill and training from ``cpu_measured``). Rows are checked: every field
+present, a finite number, not negative, and a decode row's batch at least 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 
@@ -34,16 +42,45 @@ from gyre.elastic.sim import CostModel
 
 CALIBRATIONS_DIR = os.path.join(os.path.dirname(__file__), "calibrations")
 _FIXED_KEYS = {f.name for f in dataclasses.fields(CostModel)} - {"source"}
+DECODE_COLS = ("batch", "context_tokens", "step_s")
+# How deep ``base`` references may chain (a file naming itself, directly or not, is an error).
+_MAX_BASE_DEPTH = 8
 
 
 def _rows(meas: dict, key: str, cols: tuple[str, ...]) -> np.ndarray:
+    """[N, len(cols)] floats of section ``key``; a clear error names the row and field at fault."""
     rows = meas.get(key)
     if not rows:
         raise ValueError(f"calibration has no '{key}' measurements")
-    try:
-        return np.array([[float(r[c]) for c in cols] for r in rows])
-    except KeyError as e:
-        raise ValueError(f"calibration '{key}' row lacks field {e}") from e
+    if not isinstance(rows, list):
+        raise ValueError(f"calibration '{key}' must be a list of rows, got {type(rows).__name__}")
+    out = np.empty((len(rows), len(cols)))
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"calibration '{key}' row {i} must be an object, got {row!r}")
+        for j, col in enumerate(cols):
+            if col not in row:
+                raise ValueError(f"calibration '{key}' row {i} lacks field '{col}'")
+            try:
+                value = float(row[col])
+            except (TypeError, ValueError):
+                value = float("nan")
+            if not np.isfinite(value) or isinstance(row[col], bool):
+                raise ValueError(
+                    f"calibration '{key}' row {i} field '{col}' must be a finite number, "
+                    f"got {row[col]!r}"
+                )
+            if value < 0:
+                raise ValueError(
+                    f"calibration '{key}' row {i} field '{col}' must be >= 0, got {value}"
+                )
+            out[i, j] = value
+    if key == "decode" and np.any(out[:, 0] < 1):
+        i = int(np.argmax(out[:, 0] < 1))
+        raise ValueError(
+            f"calibration 'decode' row {i} field 'batch' must be >= 1, got {out[i, 0]}"
+        )
+    return out
 
 
 def _slope(xy: np.ndarray, name: str) -> float:
@@ -74,28 +111,53 @@ def _median(meas: dict, key: str, field: str) -> float:
 
 
 def _fit_decode(dec: np.ndarray) -> tuple[float, float, float]:
-    """(base, per_seq, per_ctx) by least squares over rows (batch, context_tokens, seconds)."""
+    """(base, per_seq, per_ctx) >= 0 by least squares over rows (batch, context_tokens, seconds).
+
+    Non-negative least squares, exactly: the best least-squares fit over the subsets of the
+    three terms whose coefficients all come out >= 0 (a negative one is noise around zero, and
+    would make a busier step cheaper). Equals the plain fit whenever that is >= 0.
+    """
     design = np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]])
-    coef, *_ = np.linalg.lstsq(design, dec[:, 2], rcond=None)
-    # A negative coefficient is noise around zero; clipping keeps the cost monotone.
-    base, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
+    y = dec[:, 2]
+    best, best_sse = np.zeros(3), float(np.dot(y, y))
+    for mask in itertools.product((True, False), repeat=3):  # the full model first
+        cols = np.flatnonzero(mask)
+        if not cols.size:
+            continue
+        coef, *_ = np.linalg.lstsq(design[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        sse = float(np.sum((design @ full - y) ** 2))
+        if sse < best_sse * (1 - 1e-9):  # a simpler model wins only by fitting better
+            best, best_sse = full, sse
+    base, per_seq, per_ctx = (float(c) for c in best)
     return base, per_seq, per_ctx
 
 
-def fit(meas: dict) -> CostModel:
-    """Least-squares fit of a cost model from measured timings (``kind: measured``)."""
-    base, per_seq, per_ctx = _fit_decode(
-        _rows(meas, "decode", ("batch", "context_tokens", "step_s"))
-    )
-    prefill = _rows(meas, "prefill", ("tokens", "seconds"))
-    train = _rows(meas, "train", ("tokens", "seconds"))
-    fields = dict(decode_base_s=base, decode_per_seq_s=per_seq, decode_per_ctx_token_s=per_ctx)
-    if meas.get("intercepts"):
-        fields["prefill_call_s"], fields["prefill_per_token_s"] = _linear(prefill, "prefill")
-        fields["microbatch_s"], fields["train_per_token_s"] = _linear(train, "train")
-    else:
-        fields["prefill_per_token_s"] = _slope(prefill, "prefill")
-        fields["train_per_token_s"] = _slope(train, "train")
+def fit(meas: dict, _chain: tuple[str, ...] = ()) -> CostModel:
+    """Least-squares fit of a cost model from measured timings (``kind: measured``).
+
+    With a ``base``, the sections absent here (prefill, train, step, switch) keep the base's
+    costs; a section present here is fitted and replaces them.
+    """
+    base_cost = _load_base(meas, _chain) if "base" in meas else None
+    d_base, per_seq, per_ctx = _fit_decode(_rows(meas, "decode", DECODE_COLS))
+    fields = dict(decode_base_s=d_base, decode_per_seq_s=per_seq, decode_per_ctx_token_s=per_ctx)
+    if base_cost is not None:
+        fields = {**{k: getattr(base_cost, k) for k in _FIXED_KEYS}, **fields}
+    for key, fixed, per_token in (
+        ("prefill", "prefill_call_s", "prefill_per_token_s"),
+        ("train", "microbatch_s", "train_per_token_s"),
+    ):
+        if base_cost is not None and key not in meas:
+            continue
+        xy = _rows(meas, key, ("tokens", "seconds"))
+        if meas.get("intercepts"):
+            fields[fixed], fields[per_token] = _linear(xy, key)
+        else:  # no fixed cost: a base's would belong to another fit
+            fields[fixed], fields[per_token] = 0.0, _slope(xy, key)
     for key in ("optimizer_s", "publish_s", "checkpoint_s"):
         if meas.get("step"):
             fields[key] = _median(meas, "step", key)
@@ -135,26 +197,59 @@ def _finish(fields: dict, spec: dict) -> CostModel:
     return CostModel(**{**fields, **fixed, "source": spec["source"]})
 
 
-def from_dict(spec: dict) -> CostModel:
+def from_dict(spec: dict, _chain: tuple[str, ...] = ()) -> CostModel:
+    if not isinstance(spec, dict):
+        raise ValueError(f"a calibration is a JSON object, got {type(spec).__name__}")
     if not spec.get("source"):
         raise ValueError("calibration lacks a 'source' field saying where its figures come from")
-    kinds = {"measured": fit, "hardware": project}
-    if spec.get("kind") not in kinds:
+    kind = spec.get("kind")
+    if kind not in ("measured", "hardware"):
         raise ValueError(
-            f"calibration 'kind' must be one of {sorted(kinds)}, got {spec.get('kind')!r}"
+            f"calibration 'kind' must be one of ['hardware', 'measured'], got {kind!r}"
         )
-    return kinds[spec["kind"]](spec)
+    if kind == "hardware":
+        if "base" in spec:
+            raise ValueError("calibration 'base' is for measured calibrations only")
+        return project(spec)
+    return fit(spec, _chain)
 
 
-def load(name_or_path: str) -> CostModel:
-    """A calibration file by path, or by name under gyre/elastic/calibrations/."""
+def _path(name_or_path: str) -> str:
     path = name_or_path
     if not os.path.exists(path):
         path = os.path.join(CALIBRATIONS_DIR, name_or_path.removesuffix(".json") + ".json")
     if not os.path.exists(path):
         raise ValueError(f"no calibration {name_or_path!r} (looked in {CALIBRATIONS_DIR})")
-    with open(path) as f:
-        return from_dict(json.load(f))
+    return path
+
+
+def load(name_or_path: str, _chain: tuple[str, ...] = ()) -> CostModel:
+    """A calibration file by path, or by name under gyre/elastic/calibrations/."""
+    path = _path(name_or_path)
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration {path}: not valid JSON ({e})") from e
+    try:
+        return from_dict(spec, (*_chain, os.path.realpath(path)))
+    except ValueError as e:
+        if str(e).startswith("calibration "):
+            raise ValueError(f"{path}: {e}") from e
+        raise
+
+
+def _load_base(meas: dict, chain: tuple[str, ...]) -> CostModel:
+    """The cost model of ``meas['base']`` (a name or path), refusing cycles."""
+    name = meas["base"]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"calibration 'base' must name a calibration, got {name!r}")
+    path = os.path.realpath(_path(name))
+    if path in chain:
+        raise ValueError(f"calibration 'base' {name!r} refers back to itself ({path})")
+    if len(chain) >= _MAX_BASE_DEPTH:
+        raise ValueError(f"calibration 'base' {name!r}: more than {_MAX_BASE_DEPTH} bases chained")
+    return load(path, chain)
 
 
 def measurements(

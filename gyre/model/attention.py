@@ -285,17 +285,18 @@ def attend(q, k, v, leave, impl: str = "block_sparse", block: int = 128):
 def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     """Decode/prefill attention over a slot KV cache (causal within the slot).
 
-    q[B,T,H,Dh]; k_cache/v_cache[B,M,KVH,Dh]; q_pos_index[B,T] int: the cache index of each
-    query; kv_len[B] int: valid cache entries. Query at index i sees entries j <= i, j < kv_len.
-    Dense over M: decode is memory-bound, so skipping buys little here.
+    q[B,T,H,Dh]; k_cache/v_cache[B,KVH,M,Dh] (each head's positions contiguous, so the
+    contractions read the cache as stored); q_pos_index[B,T] int: the cache index of each
+    query; kv_len[B] int: valid cache entries. Query at index i sees entries j <= i,
+    j < kv_len. Dense over M: decode is memory-bound, so skipping buys little here.
     """
     b, t, h, d = q.shape
-    m, kvh = k_cache.shape[1], k_cache.shape[2]
+    kvh, m = k_cache.shape[1], k_cache.shape[2]
     if h % kvh:
         raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
     q_BxTxKxGxD = q.reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum(
-        "btkgd,bmkd->bkgtm", q_BxTxKxGxD, k_cache, preferred_element_type=jnp.float32
+        "btkgd,bkmd->bkgtm", q_BxTxKxGxD, k_cache, preferred_element_type=jnp.float32
     ) / math.sqrt(d)
     j = jnp.arange(m)
     vis_BxTxM = (j[None, None, :] <= q_pos_index[:, :, None]) & (
@@ -308,6 +309,6 @@ def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     denom = p.sum(-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum(
-        "bkgtm,bmkd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
+        "bkgtm,bkmd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
     )
     return out.reshape(b, t, h, d).astype(q.dtype)

@@ -36,11 +36,18 @@ LAYER_AXES = {
     "up": ("embed", "mlp"),
     "down": ("mlp", "embed"),
 }
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 def _dense_init(key, shape, fan_in):
     return jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5
+
+
+def _param(value, logical_axes) -> nnx.Param:
+    """A parameter with its logical axes. ``eager_sharding`` is fixed, not read from flax's
+    global ``flax_always_shard_variable``: the flag is pytree metadata, so weights made under
+    one value would not match shardings made under the other (importing Tunix flips it)."""
+    return nnx.Param(value, logical_axes=logical_axes, eager_sharding=False)
 
 
 class Layers(nnx.Module):
@@ -69,7 +76,7 @@ class Layers(nnx.Module):
                 value = _dense_init(rngs.params(), (n, *shape), fan_in[name])
             else:  # norm scales start at one, as in HF
                 value = jnp.ones((n, *shape), jnp.float32)
-            setattr(self, name, nnx.Param(value, logical_axes=("layers", *LAYER_AXES[name])))
+            setattr(self, name, _param(value, ("layers", *LAYER_AXES[name])))
 
 
 def rms_norm(x, weight, eps):
@@ -146,12 +153,12 @@ class Decoder(nnx.Module):
         v, d = spec.vocab_size, spec.d_model
         # HF initialises embeddings with std 0.02; any small scale works for training from scratch
         embed = jax.random.normal(rngs.params(), (v, d), jnp.float32) * 0.02
-        self.embed = nnx.Param(embed, logical_axes=("vocab", "embed"))
+        self.embed = _param(embed, ("vocab", "embed"))
         self.layers = Layers(spec, rngs)
-        self.final_norm = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=("embed",))
+        self.final_norm = _param(jnp.ones((d,), jnp.float32), ("embed",))
         if not spec.tie_embeddings:
             head = _dense_init(rngs.params(), (d, v), d)
-            self.lm_head = nnx.Param(head, logical_axes=("embed", "vocab"))
+            self.lm_head = _param(head, ("embed", "vocab"))
 
     def _layer_params(self):
         return {name: getattr(self.layers, name)[...] for name in LAYER_AXES}
@@ -185,9 +192,12 @@ class Decoder(nnx.Module):
         )
 
     def init_cache(self, num_slots: int, max_len: int, dtype=jnp.float32):
-        """Empty slot KV cache: {'k','v'}: [L, S, M, KVH, Dh] (logical axes CACHE_AXES)."""
+        """Empty slot KV cache: {'k','v'}: [L, S, KVH, M, Dh] (logical axes CACHE_AXES).
+
+        Heads before positions: attention contracts each (slot, head)'s [M, Dh] block in the
+        layout it is stored in, so no step transposes the cache."""
         spec = self.spec
-        shape = (spec.num_layers, num_slots, max_len, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
     def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B):
@@ -215,11 +225,12 @@ class Decoder(nnx.Module):
             x, ck, cv = carry
             p, layer = xs
             q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
-            ck = ck.at[layer, slot_BxT, idx_BxT].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[layer, slot_BxT, idx_BxT].set(v.astype(cv.dtype), mode="drop")
-            k_BxMxKxDh = (ck[layer] if every else ck[layer][slot_B]).astype(dtype)
-            v_BxMxKxDh = (cv[layer] if every else cv[layer][slot_B]).astype(dtype)
-            out = attention.cached_attention(q, k_BxMxKxDh, v_BxMxKxDh, idx_BxT, start_B + t)
+            # [L, S, KVH, M, Dh] at (layer, slot, :, idx): the indexed view is [B, T, KVH, Dh]
+            ck = ck.at[layer, slot_BxT, :, idx_BxT].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[layer, slot_BxT, :, idx_BxT].set(v.astype(cv.dtype), mode="drop")
+            k_BxKxMxDh = (ck[layer] if every else ck[layer][slot_B]).astype(dtype)
+            v_BxKxMxDh = (cv[layer] if every else cv[layer][slot_B]).astype(dtype)
+            out = attention.cached_attention(q, k_BxKxMxDh, v_BxKxMxDh, idx_BxT, start_B + t)
             return (_finish_block(p, x, out, spec, dtype), ck, cv), None
 
         layers = jnp.arange(spec.num_layers)

@@ -60,9 +60,9 @@ class Programs:
         spec = r.model
         self.graphdef, abstract_state = gdec.abstract_model(spec)
         s, m, c = r.slots, r.max_len, r.prefill_chunk
-        cache_shape = (spec.num_layers, s, m, spec.num_kv_heads, spec.head_dim)
+        cache_shape = (spec.num_layers, s, spec.num_kv_heads, m, spec.head_dim)
         abstract_cache = {k: jax.ShapeDtypeStruct(cache_shape, spec.dtype) for k in "kv"}
-        rows_axes = ("layers", None, "length", "kv_heads", "head_dim")
+        rows_axes = ("layers", None, "kv_heads", "length", "head_dim")
         self.state_sh = gdec.state_shardings(spec, cell, "rollout")
         self.cache_sh = gmesh.tree_shardings(
             cell, "rollout", gdec.cache_logical_axes(), abstract_cache
