@@ -109,7 +109,9 @@ def test_an_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path, cap
     for p in targets:
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
     with caplog.at_level("WARNING", logger="gyre.train.checkpoint"):
-        restored, _ = Trainer.restore(specs.trainer, cells, graphdef, Checkpointer(str(tmp_path / "ckpt")))
+        restored, _ = Trainer.restore(
+            specs.trainer, cells, graphdef, Checkpointer(str(tmp_path / "ckpt"))
+        )
     assert restored.step == 1
     for a, b in zip(_leaves(restored.params), good):
         np.testing.assert_array_equal(a, b)

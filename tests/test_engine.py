@@ -148,9 +148,10 @@ def test_model_parallel_cell_shards_kv_heads_and_agrees():
     req = make_request(5, 13, 8, 1.0)
     dp_out, dp = run_alone(CELLS[0], [req])
     mp_out, mp = run_alone(mp_cell, [req])
-    shape = dp.cache["k"].shape  # [L, S, KVH, M, Dh]
-    assert dp.cache["k"].sharding.shard_shape(shape) == (2, 2, 2, 64, 16)  # slots over data
-    assert mp.cache["k"].sharding.shard_shape(shape) == (2, 4, 1, 64, 16)  # kv heads over model
+    k_dp, k_mp = dp.cache["k"][0], mp.cache["k"][0]  # one layer's [S, KVH, M, Dh]
+    assert len(dp.cache["k"]) == 2 and k_dp.shape == (4, 2, 64, 16)
+    assert k_dp.sharding.shard_shape(k_dp.shape) == (2, 2, 64, 16)  # slots over data
+    assert k_mp.sharding.shard_shape(k_mp.shape) == (4, 1, 64, 16)  # kv heads over model
     np.testing.assert_array_equal(mp_out[0].tokens, dp_out[0].tokens)
     np.testing.assert_allclose(mp_out[0].logprobs, dp_out[0].logprobs, atol=1e-5)
 

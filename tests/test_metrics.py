@@ -34,6 +34,8 @@ def test_a_failing_status_is_reported_not_raised():
 
 def test_eta_clock_and_standard_error():
     assert clock(0) == "0:00" and clock(75.4) == "1:15" and clock(3725) == "1:02:05"
-    assert eta(10.0, 0, 5) == "ETA ?" and eta(10.0, 2, 6) == "ETA 0:20" and eta(5, 3, 3) == "ETA 0:00"
+    assert (
+        eta(10.0, 0, 5) == "ETA ?" and eta(10.0, 2, 6) == "ETA 0:20" and eta(5, 3, 3) == "ETA 0:00"
+    )
     x = np.array([0.0, 1.0, 1.0, 0.0])
     assert abs(standard_error(x) - x.std(ddof=1) / 2) < 1e-12 and standard_error([1.0]) == 0.0

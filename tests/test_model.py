@@ -187,7 +187,7 @@ def test_kv_cache_prefill_chunks_then_decode_matches_full_forward():
         got = jnp.stack(out[b])
         np.testing.assert_allclose(got, full[b, : len(got)], atol=1e-5, rtol=1e-5)
     # the untouched slot stays empty
-    assert not np.asarray(cache["k"][:, 1]).any()
+    assert not any(np.asarray(k[1]).any() for k in cache["k"])
 
 
 def test_param_logical_axes():

@@ -184,8 +184,17 @@ class _Execution:
             score = self.env.judge(state, reason, self.s.partial_scale)
         stats = dict(self.stats, calls=self.log.num_calls, generated=self.log.generated,
                      detail=detail, seconds=self.clock() - self.t0)  # fmt: skip
-        return ExecutionResult(self.log.records(reason), self.task.task_id, score,
-                               self.log.execution_id, reason, done, total, stats, self.task)
+        return ExecutionResult(
+            self.log.records(reason),
+            self.task.task_id,
+            score,
+            self.log.execution_id,
+            reason,
+            done,
+            total,
+            stats,
+            self.task,
+        )
 
 
 async def run_execution(env: Environment, task: Task, client, settings: AgentSettings,

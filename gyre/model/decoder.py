@@ -36,7 +36,7 @@ LAYER_AXES = {
     "up": ("embed", "mlp"),
     "down": ("mlp", "embed"),
 }
-CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")  # one layer's K (or V)
 
 
 def _dense_init(key, shape, fan_in):
@@ -192,15 +192,22 @@ class Decoder(nnx.Module):
         )
 
     def init_cache(self, num_slots: int, max_len: int, dtype=jnp.float32):
-        """Empty slot KV cache: {'k','v'}: [L, S, KVH, M, Dh] (logical axes CACHE_AXES).
+        """Empty slot KV cache: {'k','v'}: L arrays [S, KVH, M, Dh] (axes CACHE_AXES).
 
-        Heads before positions: attention contracts each (slot, head)'s [M, Dh] block in the
-        layout it is stored in, so no step transposes the cache."""
+        One array per layer, heads before positions: a decode step reads each layer's K/V
+        in place, in the layout attention contracts it (a stacked [L, ...] cache indexed
+        inside a loop over layers is copied out layer by layer, every step)."""
         spec = self.spec
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        shape = (num_slots, spec.num_kv_heads, max_len, spec.head_dim)
+        return {k: tuple(jnp.zeros(shape, dtype) for _ in range(spec.num_layers)) for k in "kv"}
 
-    def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+    def unstack_layers(self) -> list[dict]:
+        """The stacked layer parameters as one dict of arrays per layer (a copy: hoisted out of
+        a decode loop, the loop's steps read each layer's weights in place)."""
+        stacked = self._layer_params()
+        return [{k: v[i] for k, v in stacked.items()} for i in range(self.spec.num_layers)]
+
+    def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B, layers=None):
         """Causal forward of T new tokens per row against slot ``slot_B[b]`` of the cache.
 
         Writes the new K/V at cache positions start..start+T-1 of the slot and lets token t
@@ -211,6 +218,8 @@ class Decoder(nnx.Module):
         Writes past max_len are dropped, so keep start + T <= max_len for real tokens.
         Slots must be distinct within one call. ``slot_B=None``: row b is slot b, every slot
         (decode), which reads each layer's cache in place instead of gathering its rows.
+        ``layers``: :meth:`unstack_layers` computed once outside a loop of calls; None =
+        sliced here from the stacked parameters. Layers run unrolled (static indices).
         """
         spec, dtype = self.spec, self.dtype
         t = tokens_BxT.shape[1]
@@ -220,24 +229,19 @@ class Decoder(nnx.Module):
         idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
         slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
         x = self.embed[...].astype(dtype)[tokens_BxT]
-
-        def block(carry, xs):
-            x, ck, cv = carry
-            p, layer = xs
+        layers = self.unstack_layers() if layers is None else layers
+        ks, vs = list(cache["k"]), list(cache["v"])
+        for i, p in enumerate(layers):
             q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
-            # [L, S, KVH, M, Dh] at (layer, slot, :, idx): the indexed view is [B, T, KVH, Dh]
-            ck = ck.at[layer, slot_BxT, :, idx_BxT].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[layer, slot_BxT, :, idx_BxT].set(v.astype(cv.dtype), mode="drop")
-            k_BxKxMxDh = (ck[layer] if every else ck[layer][slot_B]).astype(dtype)
-            v_BxKxMxDh = (cv[layer] if every else cv[layer][slot_B]).astype(dtype)
+            # [S, KVH, M, Dh] at (slot, :, idx): the indexed view is [B, T, KVH, Dh]
+            ks[i] = ks[i].at[slot_BxT, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
+            vs[i] = vs[i].at[slot_BxT, :, idx_BxT].set(v.astype(vs[i].dtype), mode="drop")
+            k_BxKxMxDh = (ks[i] if every else ks[i][slot_B]).astype(dtype)
+            v_BxKxMxDh = (vs[i] if every else vs[i][slot_B]).astype(dtype)
             out = attention.cached_attention(q, k_BxKxMxDh, v_BxKxMxDh, idx_BxT, start_B + t)
-            return (_finish_block(p, x, out, spec, dtype), ck, cv), None
-
-        layers = jnp.arange(spec.num_layers)
-        (x, ck, cv), _ = jax.lax.scan(
-            block, (x, cache["k"], cache["v"]), (self._layer_params(), layers)
-        )
-        return rms_norm(x, self.final_norm[...], spec.rms_eps), {"k": ck, "v": cv}
+            x = _finish_block(p, x, out, spec, dtype)
+        x = rms_norm(x, self.final_norm[...], spec.rms_eps)
+        return x, {"k": tuple(ks), "v": tuple(vs)}
 
 
 def param_logical_axes(model_or_state):
@@ -252,9 +256,9 @@ def param_logical_axes(model_or_state):
     )
 
 
-def cache_logical_axes():
+def cache_logical_axes(num_layers: int):
     """Logical axes of init_cache's pytree (slots over 'batch', kv heads over 'kv_heads')."""
-    return {"k": CACHE_AXES, "v": CACHE_AXES}
+    return {k: (CACHE_AXES,) * num_layers for k in "kv"}
 
 
 def abstract_model(cfg_model, seed: int = 0):
@@ -290,6 +294,12 @@ def apply_logits(graphdef, state, hidden_BxNxD):
     return nnx.merge(graphdef, state).logits(hidden_BxNxD)
 
 
-def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B, layers=None):
     """Pure Decoder.forward_cached for plain jax.jit (donate ``cache`` for in-place writes)."""
-    return nnx.merge(graphdef, state).forward_cached(tokens_BxT, pos_BxT, cache, slot_B, start_B)
+    model = nnx.merge(graphdef, state)
+    return model.forward_cached(tokens_BxT, pos_BxT, cache, slot_B, start_B, layers)
+
+
+def unstack_layers(graphdef, state) -> list[dict]:
+    """Pure Decoder.unstack_layers (hoist it out of a loop over decode steps)."""
+    return nnx.merge(graphdef, state).unstack_layers()

@@ -1,6 +1,6 @@
 """Rollout engine: one per rollout cell, a slot KV cache, a KV token pool, continuous batching.
 
-The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k','v'}: [L, S, KVH, M, Dh],
+The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k','v'}: L x [S, KVH, M, Dh],
 slots over the cell's 'data' axis via logical 'batch', kv heads over 'model'). Two jit
 programs per cell (see :class:`gyre.rollout.programs.Programs`), each with one fixed shape: a prefill of one
 ``prefill_chunk`` for one slot, and a decode step of one token for every slot at once
@@ -95,19 +95,19 @@ def pool_budget(kv_tokens: int, cache, state, devices) -> int:
     of one data shard, so x the number of data shards); on CPU (no memory figure): slots *
     max_len. The trainer's state on a cell that also trains is not subtracted.
     """
-    k = cache["k"]  # [L, S, KVH, M, Dh]
-    slots, max_len = k.shape[1], k.shape[3]
+    k = cache["k"]  # L arrays [S, KVH, M, Dh]
+    slots, max_len = k[0].shape[0], k[0].shape[2]
     physical = slots * max_len
     if kv_tokens > 0:
         return min(kv_tokens, physical)
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
     if not limits or any(b is None for b in limits):
         return physical
-    shard = k.sharding.shard_shape(k.shape)
-    per_token = 2 * _shard_bytes(k) // (shard[1] * shard[3])  # k and v rows of one token
+    shard = k[0].sharding.shard_shape(k[0].shape)
+    per_token = 2 * sum(map(_shard_bytes, k)) // (shard[0] * shard[2])  # k, v of every layer
     weights = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
     per_device = kv_budget_tokens(min(limits), weights, KV_RESERVE * min(limits), per_token)
-    return min(physical, per_device * (slots // shard[1]))
+    return min(physical, per_device * (slots // shard[0]))
 
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_len: int) -> np.ndarray:
@@ -203,7 +203,7 @@ class SlotExport:
 
     live: Live
     held: np.ndarray
-    rows: dict | None  # {'k','v'}: [L, 1, KVH, M, Dh]; None for a request still queued
+    rows: dict | None  # {'k','v'}: L x [1, KVH, M, Dh]; None for a request still queued
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -60,24 +60,29 @@ class Programs:
         spec = r.model
         self.graphdef, abstract_state = gdec.abstract_model(spec)
         s, m, c = r.slots, r.max_len, r.prefill_chunk
-        cache_shape = (spec.num_layers, s, spec.num_kv_heads, m, spec.head_dim)
-        abstract_cache = {k: jax.ShapeDtypeStruct(cache_shape, spec.dtype) for k in "kv"}
-        rows_axes = ("layers", None, "kv_heads", "length", "head_dim")
+        n_layers = spec.num_layers
+        layer_shape = (s, spec.num_kv_heads, m, spec.head_dim)  # one layer's K (or V)
+        abstract_cache = {
+            k: (jax.ShapeDtypeStruct(layer_shape, spec.dtype),) * n_layers for k in "kv"
+        }
+        rows_axes = (None, "kv_heads", "length", "head_dim")
         self.state_sh = gdec.state_shardings(spec, cell, "rollout")
         self.cache_sh = gmesh.tree_shardings(
-            cell, "rollout", gdec.cache_logical_axes(), abstract_cache
+            cell, "rollout", gdec.cache_logical_axes(n_layers), abstract_cache
         )
-        self.rows_sh = {k: gmesh.sharding_for(cell, "rollout", rows_axes) for k in "kv"}
+        rows_sh = gmesh.sharding_for(cell, "rollout", rows_axes)
+        self.rows_sh = {k: (rows_sh,) * n_layers for k in "kv"}
         rep = NamedSharding(cell.mesh, PartitionSpec())
         vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
         base = sampler.base_key(r.seed)
         max_len = m
         graphdef, top_p = self.graphdef, float(r.top_p)
 
-        def prefill_row(state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1, temp_1):
+        def prefill_row(layers, state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1,
+                        call_1, temp_1):  # fmt: skip
             pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
             hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_1xC, pos_1xC, cache, slot_1, start_1
+                graphdef, state, tokens_1xC, pos_1xC, cache, slot_1, start_1, layers
             )
             h_1x1xD = jnp.take_along_axis(hidden, last_1[:, None, None], axis=1)
             logits_1xV = gdec.apply_logits(graphdef, state, h_1x1xD)[:, 0]
@@ -97,25 +102,30 @@ class Programs:
                 i, cache, tok_S, lp_S = carry
                 row = lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1)  # noqa: E731
                 cache, tok_1, lp_1 = prefill_row(
-                    state, cache, row(tokens_SxC), row(start_S), row(slot_S), row(last_S),
+                    layers, state, cache, row(tokens_SxC), row(start_S), row(slot_S), row(last_S),
                     row(hash_S), row(call_S), row(temp_S),
                 )  # fmt: skip
                 tok_S = jax.lax.dynamic_update_slice_in_dim(tok_S, tok_1, i, 0)
                 lp_S = jax.lax.dynamic_update_slice_in_dim(lp_S, lp_1, i, 0)
                 return i + 1, cache, tok_S, lp_S
 
+            layers = gdec.unstack_layers(graphdef, state)  # once, not once per row
             init = (jnp.int32(0), cache, jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.float32))
             _, cache, tok_S, lp_S = jax.lax.while_loop(lambda c: c[0] < rows, body, init)
             return cache, tok_S, lp_S
 
-        def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+        def decode_step(layers, state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
             """One token for every slot; rows with start >= max_len write nowhere."""
             hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_S[:, None], start_S[:, None], cache, None, start_S
+                graphdef, state, tokens_S[:, None], start_S[:, None], cache, None, start_S, layers
             )
             logits_SxV = gdec.apply_logits(graphdef, state, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
             return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
+
+        def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+            layers = gdec.unstack_layers(graphdef, state)
+            return decode_step(layers, state, cache, tokens_S, start_S, hash_S, call_S, temp_S)
 
         n = r.decode_steps
 
@@ -137,7 +147,9 @@ class Programs:
                 i, cache, tok_S, pos_S, left_S, out_tok, out_lp = carry
                 run_S = left_S > 0
                 write_S = jnp.where(run_S, pos_S, max_len)  # idle rows write past the cache
-                cache, new_S, lp_S = decode(state, cache, tok_S, write_S, hash_S, call_S, temp_S)
+                cache, new_S, lp_S = decode_step(
+                    layers, state, cache, tok_S, write_S, hash_S, call_S, temp_S
+                )
                 stopped_S = jnp.any(new_S[:, None] == stop_SxK, axis=1)
                 out_tok = out_tok.at[i].set(jnp.where(run_S, new_S, -1))
                 out_lp = out_lp.at[i].set(jnp.where(run_S, lp_S, 0.0))
@@ -147,6 +159,7 @@ class Programs:
                 return i + 1, cache, tok_S, pos_S, left_S, out_tok, out_lp
 
             left0_S = left_S
+            layers = gdec.unstack_layers(graphdef, state)  # once per loop: steps read in place
             init = (jnp.int32(0), cache, tokens_S, start_S, left_S,
                     jnp.full((n, s), -1, jnp.int32), jnp.zeros((n, s), jnp.float32))  # fmt: skip
             steps, cache, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
@@ -154,21 +167,20 @@ class Programs:
 
         def copy_slot(cache, src, dst):
             """Slot ``dst`` becomes a copy of slot ``src`` (the caller keeps a prefix of it)."""
-            return {
-                k: jax.lax.dynamic_update_slice_in_dim(
-                    v, jax.lax.dynamic_slice_in_dim(v, src, 1, axis=1), dst, axis=1
-                )
-                for k, v in cache.items()
-            }
+            copy = lambda x: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                x, jax.lax.dynamic_slice_in_dim(x, src, 1, axis=0), dst, axis=0
+            )
+            return jax.tree.map(copy, cache)
 
         def read_rows(cache, slot):
-            return {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in cache.items()}
+            """One slot's K/V: {'k','v'}: L arrays [1, KVH, M, Dh]."""
+            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
 
         def write_rows(cache, rows, slot):
-            return {
-                k: jax.lax.dynamic_update_slice_in_dim(v, rows[k].astype(v.dtype), slot, axis=1)
-                for k, v in cache.items()
-            }
+            write = lambda x, r: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                x, r.astype(x.dtype), slot, axis=0
+            )
+            return jax.tree.map(write, cache, rows)
 
         out = (self.cache_sh, rep, rep)
         self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out)
@@ -190,7 +202,7 @@ class Programs:
         self.copy_slot = jax.jit(copy_slot, donate_argnums=0, out_shardings=self.cache_sh)
         self.read_rows = jax.jit(read_rows, out_shardings=self.rows_sh)
         self.write_rows = jax.jit(write_rows, donate_argnums=0, out_shardings=self.cache_sh)
-        zeros = lambda: {k: jnp.zeros(cache_shape, spec.dtype) for k in "kv"}
+        zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_cache)
         self.new_cache = jax.jit(zeros, out_shardings=self.cache_sh)
 
 
