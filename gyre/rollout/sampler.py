@@ -56,23 +56,26 @@ def sample(logits_BxV, keys_Bx2, temperature_B, top_p: float = 1.0):
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
-    scaled_BxV = logits_BxV / safe_t_B[:, None]
+    scaled_BxV = logits_BxV / safe_t_B[:, None]  # greedy rows: the logits themselves
     if top_p < 1.0:
         scaled_BxV = jnp.where(nucleus_mask(scaled_BxV, top_p), scaled_BxV, -jnp.inf)
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     argmax_B = jnp.argmax(logits_BxV, axis=-1)
     # The draw (a Gumbel number per vocabulary entry and row) is skipped when every row is
     # greedy: its result would be discarded, and on CPU it costs as much as a small layer.
     drawn_B = jax.lax.cond(
         jnp.any(~greedy_B),
-        lambda: jax.vmap(jax.random.categorical)(keys_Bx2, logp_BxV).astype(argmax_B.dtype),
+        lambda: jax.vmap(jax.random.categorical)(keys_Bx2, scaled_BxV).astype(argmax_B.dtype),
         lambda: argmax_B,
     )
     token_B = jnp.where(greedy_B, argmax_B, drawn_B).astype(jnp.int32)
-    greedy_logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
-    chosen_BxV = jnp.where(greedy_B[:, None], greedy_logp_BxV, logp_BxV)
-    logprob_B = jnp.take_along_axis(chosen_BxV, token_B[:, None], axis=-1)[:, 0]
-    return token_B, logprob_B
+    # log-probability = chosen logit - logsumexp of the row, without materialising a
+    # log-softmax over the vocabulary. Greedy rows use the plain logits (temperature 1, no
+    # nucleus): with top_p = 1 that is scaled_BxV already.
+    base_BxV = scaled_BxV
+    if top_p < 1.0:
+        base_BxV = jnp.where(greedy_B[:, None], logits_BxV, scaled_BxV)
+    chosen_B = jnp.take_along_axis(base_BxV, token_B[:, None], axis=-1)[:, 0]
+    return token_B, chosen_B - jax.nn.logsumexp(base_BxV, axis=-1)
 
 
 def reference_logprobs(logits_NxV, tokens_N, temperature: float) -> np.ndarray:
