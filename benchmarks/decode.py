@@ -44,12 +44,21 @@ from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
 from gyre.rollout.types import GenerateRequest
 
+# --model peer: the Qwen3 of benchmarks/vs_tunix.py (5.25M parameters, 21 MB of float32
+# weights: more than a CPU cache holds, so the bound is the memory bandwidth's, not a cache's)
+MODELS = {
+    "tiny": dict(vocab_size=512, d_model=128, num_layers=2, d_ff=512, num_heads=4,
+                 num_kv_heads=2, head_dim=32),
+    "peer": dict(vocab_size=4096, d_model=256, num_layers=4, d_ff=768, num_heads=8,
+                 num_kv_heads=4, head_dim=32),
+}  # fmt: skip
 
-def tiny_config(batch: int, max_len: int):
+
+def tiny_config(batch: int, max_len: int, model: str = "tiny"):
     cfg = default_config()
     m = cfg.model
-    m.vocab_size, m.d_model, m.num_layers, m.d_ff = 512, 128, 2, 512
-    m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, 32
+    for key, value in MODELS[model].items():
+        setattr(m, key, value)
     m.attn_block = 64  # the baseline row (prompt + new) is a multiple of 64
     cfg.rollout.slots, cfg.rollout.max_len, cfg.rollout.prefill_chunk = batch, max_len, 64
     return cfg
@@ -409,6 +418,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens, batches, contexts")
     parser.add_argument("--load-only", action="store_true", help="only the load sweep")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny (0.56M parameters) or peer (vs_tunix.py's 5.25M Qwen3)")  # fmt: skip
+    parser.add_argument("--no-load", action="store_true", help="only the batch table")
     parser.add_argument("--write-calibration", metavar="PATH", help="the load sweep's rows as a "
                         "measured calibration (gyre/elastic/calibration.py)")  # fmt: skip
     parser.add_argument("--calibration-base", default="cpu_measured",
@@ -420,7 +432,8 @@ def main():
         parser.error(f"--decode-steps must be >= 1, got {args.decode_steps}")
     (cell,) = gmesh.make_cells(1, devices=jax.devices()[:1])
     figures = {} if args.load_only else batch_table(args, cell)
-    figures["load"] = run_load(args, cell)
+    if not args.no_load:
+        figures["load"] = run_load(args, cell)
     print(json.dumps(figures))
 
 
@@ -433,7 +446,7 @@ def batch_table(args, cell) -> dict:
     rows, figures = [], {"bandwidth_GBps": round(bandwidth / 1e9, 2), "prompt": prompt_len}
     figures["new_tokens"] = new
     for b in batches:
-        cfg = tiny_config(b, max_len)
+        cfg = tiny_config(b, max_len, args.model)
         graphdef, state = gdec.init_sharded(build_specs(cfg).model, 0, cell, "rollout")
         decode_tps, prefill_tps, _ = engine_rate(cfg, cell, state, b, prompt_len, new)
         base_tps = baseline_rate(cfg, graphdef, state, b, prompt_len, new)
