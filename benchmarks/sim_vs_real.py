@@ -197,6 +197,9 @@ def main() -> None:
     args = ap.parse_args()
     cfg = tiny_config(args.cell_size, args.cache_dir)
     cfg.run.steps, cfg.run.tasks_per_step = args.steps, args.tasks
+    # The simulator's engine decodes one token per step: the real one does the same here, so
+    # an engine step is what the cost model prices (the default runs loops of 16 tokens).
+    cfg.rollout.decode_steps = 1
     if args.kv_limited:
         cfg.rollout.kv_tokens = args.kv_tokens
     workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_")
