@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gyre.agent.chat import ChatFormat, assistant_message
-from gyre.agent.toolcalls import format_tool_call
+from gyre.chat.format import ChatFormat, assistant_message
+from gyre.chat.toolcalls import format_tool_call
 from gyre.model.tiny_checkpoint import QWEN3_CHAT_TEMPLATE, train_tokenizer
 
 TOOLS = [

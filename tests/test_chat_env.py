@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from gyre.agent.chat import ChatFormat, assistant_message
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_execution
 from gyre.agent.scripted import ScriptedPolicy
-from gyre.agent.toolcalls import format_tool_call
+from gyre.chat.format import ChatFormat, assistant_message
+from gyre.chat.toolcalls import format_tool_call
 from gyre.envs.base import Task, ToolCall
 from gyre.envs.chat_env import ANSWER, CALLS, MALFORMED, RESUME, SUMMARY, ChatEnvironment
 from gyre.envs.text import TextEnvironment, TextStep

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gyre.agent.toolcalls import (
+from gyre.chat.toolcalls import (
     CLOSE,
     MAX_CALLS,
     OPEN,

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.agent.chat import ChatFormat
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_execution, run_executions
 from gyre.agent.scripted import GarbagePolicy, LedgerExpert, ScriptedPolicy, WrongPolicy
-from gyre.agent.toolcalls import format_tool_call
+from gyre.chat.format import ChatFormat
+from gyre.chat.toolcalls import format_tool_call
 from gyre.envs import vocab as V
 from gyre.envs.base import Task
 from gyre.envs.chat_env import ChatEnvironment

@@ -1,11 +1,11 @@
 """A :class:`~gyre.envs.text.TextEnvironment` as the token-level environment the harness drives.
 
 :class:`ChatEnvironment` speaks the text environment's turns through a
-:class:`~gyre.agent.chat.ChatFormat` (a checkpoint's tokenizer and chat template):
+:class:`~gyre.chat.format.ChatFormat` (a checkpoint's tokenizer and chat template):
 
   task prompt   system + tools + first user message + generation prompt;
   a turn        decoded (it must end with a stop token), thinking split off
-                (:func:`~gyre.agent.toolcalls.split_thinking`; calls written inside the
+                (:func:`~gyre.chat.toolcalls.split_thinking`; calls written inside the
                 thinking are deliberation, never run); then the rest is
                   tool calls      -> ``TextEnvironment.call_tool`` for each, in order; the
                                      results come back as tool-response turns;
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from gyre.agent.chat import ChatFormat
-from gyre.agent.toolcalls import MAX_CALLS, parse_tool_calls, split_thinking
+from gyre.chat.format import ChatFormat
+from gyre.chat.toolcalls import MAX_CALLS, parse_tool_calls, split_thinking
 from gyre.envs.base import Environment, StepResult, Task, ToolCall
 from gyre.envs.text import TextEnvironment, TextStep
 

@@ -81,7 +81,7 @@ def is_chat(name: str) -> bool:
 def make_env(spec: EnvSpec, chat=None) -> Environment:
     """The environment named by ``spec.name``; a clear error for an unknown name.
 
-    ``chat``: a :class:`gyre.agent.chat.ChatFormat` (the checkpoint's tokenizer and template),
+    ``chat``: a :class:`gyre.chat.format.ChatFormat` (the checkpoint's tokenizer and template),
     required by chat environments and unused by token environments.
     """
     if spec.name not in ENVIRONMENTS:

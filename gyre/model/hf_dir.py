@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from gyre.agent.chat import compile_template
+from gyre.chat.format import compile_template
 from gyre.model import decoder, hf
 from gyre.model.hf import CheckpointError
 

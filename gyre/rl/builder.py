@@ -266,7 +266,7 @@ def environment(specs: Specs, with_model: bool = True):
 def chat_format(specs: Specs):
     """The checkpoint's tokenizer and chat template, for chat environments; ConfigError
     without a checkpoint that has them."""
-    from gyre.agent.chat import ChatFormat
+    from gyre.chat.format import ChatFormat
 
     if not specs.init_dir or not _has_tokenizer(specs.init_dir):
         raise ConfigError(

@@ -51,7 +51,7 @@ import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 
-from gyre.agent.toolcalls import parse_tool_calls, split_thinking, visible_text
+from gyre.chat.toolcalls import parse_tool_calls, split_thinking, visible_text
 
 SENTINEL = "@@gyre-sentinel-7b1e@@"  # stands in for an assistant turn's text when rendering
 
