@@ -232,8 +232,11 @@ def test_kv_stats_counters_and_capacity():
         "kv_admissions": 6, "kv_admission_wait_s": stats["kv_admission_wait_s"],
         "kv_budget_tokens": 50, "kv_capacity_contexts": capacity,
         "kv_reserved_tokens": 23 + 15, "kv_resident_tokens": 23 + 15, "kv_resident_contexts": 2,
-        "kv_queued": 0, "kv_waiting": 0, "kv_resident_contexts_c0": 2,
+        "kv_queued": 0, "kv_waiting": 0, "kv_resident_contexts_c0": 2, "kv_shared_tokens": 0,
+        "kv_decode_slot_steps": stats["kv_decode_slot_steps"],
+        "kv_decode_idle_slot_steps": stats["kv_decode_idle_slot_steps"],
     })  # fmt: skip
+    assert 0 <= stats["kv_decode_idle_slot_steps"] < stats["kv_decode_slot_steps"]
     assert 0 < stats["kv_admission_wait_s"] < 60
     assert proxy.capacity_contexts() == pytest.approx((capacity,))
     # a cell out of rollout keeps its estimate (the policy weighs bringing it back) but its

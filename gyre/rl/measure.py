@@ -124,7 +124,8 @@ class PoolCounters:
     become each step's share, the rest (current state) pass through."""
 
     CUMULATIVE = ("kv_evictions", "kv_evicted_tokens", "kv_reprefilled_tokens", "kv_admissions",
-                  "kv_admission_wait_s", "kv_prompt_tokens", "kv_reused_tokens")  # fmt: skip
+                  "kv_admission_wait_s", "kv_prompt_tokens", "kv_reused_tokens",
+                  "kv_shared_tokens", "kv_decode_slot_steps", "kv_decode_idle_slot_steps")  # fmt: skip
 
     def __init__(self, first: dict):
         self.before = first
@@ -134,4 +135,10 @@ class PoolCounters:
         self.before = now
         waits = out["kv_admissions"]
         out["kv_admission_wait_mean_s"] = out["kv_admission_wait_s"] / waits if waits else 0.0
+        # share of the decode loops' slot-steps spent idle (a slot done before its loop ended):
+        # the cost of rollout.decode_steps tokens per dispatch
+        slot_steps = out.get("kv_decode_slot_steps", 0)
+        out["kv_decode_idle_frac"] = (
+            out.get("kv_decode_idle_slot_steps", 0) / slot_steps if slot_steps else 0.0
+        )
         return out

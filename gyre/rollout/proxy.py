@@ -269,7 +269,9 @@ class Proxy:
         Cumulative (never reset, summed over every cell; diff them per step): kv_evictions,
         kv_evicted_tokens, kv_reprefilled_tokens (see :class:`Engine`), kv_admissions and
         kv_admission_wait_s (calls admitted into a slot, and the seconds from generate() to
-        that first admission summed over them), kv_prompt_tokens, kv_reused_tokens.
+        that first admission summed over them), kv_prompt_tokens, kv_reused_tokens,
+        kv_shared_tokens (copied from another slot), kv_decode_slot_steps and
+        kv_decode_idle_slot_steps (the decode loops' slot-steps, and those spent idle).
         Current: kv_budget_tokens, kv_capacity_contexts (sums over rollout cells),
         kv_reserved_tokens, kv_resident_tokens, kv_resident_contexts (sums over every cell; a
         resident context is a live request's slot or an idle slot holding tokens),
@@ -282,8 +284,11 @@ class Proxy:
         out = {
             f"kv_{k}": sum(e.stats[k] for e in engines)
             for k in ("evictions", "evicted_tokens", "reprefilled_tokens", "prompt_tokens",
-                      "reused_tokens")
+                      "reused_tokens", "shared_tokens")
         }  # fmt: skip
+        # decode loops: slot-steps run, and those in which a slot had finished and sat idle
+        for k in ("decode_slot_steps", "decode_idle_slot_steps"):
+            out[f"kv_{k}"] = sum(e.stats[k] for e in engines)
         out["kv_admissions"] = self.stats["admissions"]
         out["kv_admission_wait_s"] = float(self.stats["admission_wait_s"])
         out["kv_budget_tokens"] = sum(pools[i]["budget_tokens"] for i in self.rollout)
