@@ -162,3 +162,23 @@ def flat_rows(executions, kept, coefs, advantages, row_len: int) -> dict:
         out["w"][r, cols] = w
         out["adv_pos"][r, cols], out["adv_neg"][r, cols] = w * max(a, 0), w * min(a, 0)
     return out
+
+
+def qwen3_torch_model(vocab_size: int, tie: bool, seed: int = 0):
+    """A tiny random transformers Qwen3ForCausalLM (the loaders' reference); every weight
+    perturbed so no mapping hides behind 0/1. Imports torch and transformers (dev deps)."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=tie,
+        rope_theta=5000.0, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(cfg).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+    return model

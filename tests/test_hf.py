@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from oracles import qwen3_torch_model  # noqa: E402
+
 from gyre.config import default_config  # noqa: E402
 from gyre.mesh import make_cells  # noqa: E402
 from gyre.model import ModelSpec, apply, apply_logits  # noqa: E402
@@ -26,20 +28,7 @@ def gyre_cfg() -> ModelSpec:
 
 
 def torch_model(tie: bool, seed: int = 0):
-    """A tiny random Qwen3ForCausalLM; every weight perturbed so no mapping hides behind 0/1."""
-    cfg = transformers.Qwen3Config(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=tie,
-        rope_theta=5000.0, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg).eval().float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if "norm" in name else 0.0
-            p.copy_(base + 0.2 * torch.randn_like(p))
-    return model
+    return qwen3_torch_model(128, tie, seed)
 
 
 def random_tree(seed: int, t: int):

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from oracles import qwen3_torch_model  # noqa: E402
+
 from gyre.config import default_config  # noqa: E402
 from gyre.model import ModelSpec, apply, apply_logits  # noqa: E402
 from gyre.model import tiny_checkpoint as tc  # noqa: E402
@@ -44,19 +46,7 @@ def base_spec() -> ModelSpec:
 
 
 def torch_model(seed: int = 0):
-    """A tiny random Qwen3ForCausalLM; every weight perturbed so no mapping hides behind 0/1."""
-    cfg = transformers.Qwen3Config(
-        vocab_size=MODEL_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=False,
-        rope_theta=5000.0, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg).eval().float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
-    return model
+    return qwen3_torch_model(MODEL_VOCAB, tie=False, seed=seed)
 
 
 def torch_logits(model, tokens_BxT):
