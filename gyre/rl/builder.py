@@ -228,13 +228,22 @@ class Runtime:
         return decoder.init_sharded(self.specs.model, seed, self.cells[0], "train")[1]
 
 
+def text_checkpoint(specs: Specs):
+    """The run's Hugging Face checkpoint (gyre.model.hf_dir.Checkpoint) when ``model.hf_dir``
+    is one with a tokenizer, else None (no checkpoint, or a ledger export). Read once."""
+    if not specs.init_dir or not _has_tokenizer(specs.init_dir):
+        return None
+    return _read_checkpoint(specs.init_dir, specs.model)
+
+
 def load_initial(specs: Specs, cell):
     """The weights of ``specs.init_dir`` on ``cell``; a directory without a tokenizer (a
     ledger export) must have the config's architecture."""
-    if _has_tokenizer(specs.init_dir):
+    ckpt = text_checkpoint(specs)
+    if ckpt is not None:
         from gyre.model.hf_dir import load_weights
 
-        return load_weights(_read_checkpoint(specs.init_dir, specs.model), cell, "train")[1]
+        return load_weights(ckpt, cell, "train")[1]
     try:
         _, params, spec = hf.load_hf(specs.init_dir, specs.model, cell, "train")
     except (OSError, ValueError) as e:
@@ -268,12 +277,12 @@ def chat_format(specs: Specs):
     without a checkpoint that has them."""
     from gyre.chat.format import ChatFormat
 
-    if not specs.init_dir or not _has_tokenizer(specs.init_dir):
+    ckpt = text_checkpoint(specs)
+    if ckpt is None:
         raise ConfigError(
             f"config key 'env.name' ({specs.env.name!r}) is a chat task: set model.hf_dir to a "
             "Qwen3 checkpoint directory with its tokenizer (or 'tiny' for a small local one)"
         )
-    ckpt = _read_checkpoint(specs.init_dir, specs.model)
     return ChatFormat.from_checkpoint(ckpt, keep_thinking=specs.env.keep_thinking,
                                       enable_thinking=specs.env.enable_thinking)  # fmt: skip
 

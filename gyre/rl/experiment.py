@@ -21,7 +21,7 @@ from gyre.envs.registry import is_chat, make_env
 from gyre.errors import AlreadyFinished, Stopped
 from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics, write_json
 from gyre.model.hf import save_hf
-from gyre.rl.builder import build_runtime, build_specs
+from gyre.rl.builder import build_runtime, build_specs, text_checkpoint
 from gyre.rl.controller import Controller
 from gyre.rl.progress import RoleTimeline, RunLedger
 from gyre.rl.report import rl_status, summary_table, where_line
@@ -219,10 +219,10 @@ def export_checkpoint(rt, params) -> str:
     """Writes ``params`` to <workdir>/hf: a Hugging Face Qwen3 directory (with the starting
     checkpoint's tokenizer and chat template when it had them; it opens in transformers)."""
     specs, path = rt.specs, rt.path("hf")
-    if specs.init_dir and os.path.isfile(os.path.join(specs.init_dir, "tokenizer.json")):
-        from gyre.model.hf_dir import read_checkpoint, save_checkpoint
+    source = text_checkpoint(specs)
+    if source is not None:
+        from gyre.model.hf_dir import save_checkpoint
 
-        source = read_checkpoint(specs.init_dir, specs.model)
         save_checkpoint(path, rt.graphdef, params, specs.model, source)
     else:
         save_hf(path, rt.graphdef, params, specs.model)

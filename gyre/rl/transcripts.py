@@ -15,6 +15,7 @@ can split the file on them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -226,9 +227,7 @@ def choose_executions(results: Sequence[ExecutionResult], n: int) -> list[tuple[
 
 
 def _ending_counts(results: Sequence[ExecutionResult]) -> str:
-    counts: dict[str, int] = {}
-    for r in results:
-        counts[r.end_reason or "?"] = counts.get(r.end_reason or "?", 0) + 1
+    counts = collections.Counter(r.end_reason or "?" for r in results)
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 

@@ -641,7 +641,7 @@ class Engine:
         produced = 0
         for i in active:
             slot = self.slots[i]
-            n = steps if self.decode_steps == 1 else int((tok_NxS[:steps, i] >= 0).sum())
+            n = int((tok_NxS[:steps, i] >= 0).sum())  # tokens it ran (ids >= 0; -1 = idle)
             produced += n
             fed = np.concatenate([tokens_S[i : i + 1], tok_NxS[: n - 1, i]])
             slot.write(slot.length, fed.astype(np.int32))
