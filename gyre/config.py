@@ -38,6 +38,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.compilation_cache = True  # persistent XLA cache
     c.mesh.cache_dir = ""  # where that cache lives ("" = the shared cache, gyre/cache.py)
 
+    # Where the cells live (gyre/cluster/): "local" = every cell in this process; "ray" = each
+    # actor a process owning cells_per_actor cells (devices_per_actor = cells_per_actor *
+    # mesh.cell_size devices), arrays crossing with jax.experimental.transfer. Ray is an extra
+    # (pip install -r requirements-ray.txt).
+    c.cluster = ml_collections.ConfigDict()
+    c.cluster.backend = "local"
+    c.cluster.address = ""  # ray: "" = start a local instance; else ray.init's address ("auto")
+    c.cluster.actors = 2  # ray: actor processes; actor 0 holds the core cell
+    c.cluster.cells_per_actor = 1
+    c.cluster.transfer_timeout_s = 120.0  # a cross-process move past this declares its cell lost
+
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 64
     c.model.d_model = 64
@@ -208,6 +219,8 @@ BOUNDS: dict[str, Bound] = {
     "seed": _ge(0),
     "mesh.cell_size": _ge(1), "mesh.num_devices": _ge(0), "mesh.cpu_devices": Bound(1, 4096),
     "mesh.model_parallel": _ge(1),
+    "cluster.actors": _ge(1), "cluster.cells_per_actor": _ge(1),
+    "cluster.transfer_timeout_s": _gt(0),
     "model.vocab_size": _ge(2), "model.d_model": _ge(1), "model.num_layers": _ge(1),
     "model.num_heads": _ge(1), "model.num_kv_heads": _ge(1), "model.head_dim": _ge(2),
     "model.d_ff": _ge(1), "model.rope_theta": _gt(0), "model.rms_eps": _gt(0),
@@ -285,6 +298,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "scheduler.handover", HANDOVERS)
     _check_choice(cfg, "env.name", tuple(ENVIRONMENTS))
     _check_choice(cfg, "model.attention", ("block_sparse", "dense"))
+    _check_choice(cfg, "cluster.backend", ("local", "ray"))
     _check_choice(cfg, "model.dtype", ("float32", "bfloat16"))
     # Checks that need one part's settings only live in that part's spec (ModelSpec,
     # TrajectorySpec, TrainerSpec, ...) and in mesh.make_cells: the builder turns their errors

@@ -15,3 +15,15 @@ class AlreadyFinished(Exception):
 
 class Stopped(Exception):
     """A run stopped on request (SIGINT/SIGTERM) at a step boundary, checkpointed there."""
+
+
+class CellLost(RuntimeError):
+    """A cell's process is gone (or a move from it outlived its deadline): gyre/cluster/remote.py.
+    The controller goes on without it; losing the core cell (index 0) ends the run."""
+
+    def __init__(self, cell: int, why: str):
+        super().__init__(f"cell {cell} lost: {why}")
+        self.cell = cell
+
+    def __reduce__(self):
+        return (CellLost, (self.cell, str(self).split(": ", 1)[-1]))

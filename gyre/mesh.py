@@ -80,6 +80,10 @@ class Cell:
     def size(self) -> int:
         return self.mesh.devices.size
 
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
 
 def make_cells(cell_size: int, model_parallel: int = 1, devices=None) -> list[Cell]:
     """Splits ``devices`` (default: all) into len(devices) // cell_size cells."""

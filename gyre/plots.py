@@ -36,7 +36,7 @@ def learning_curves(rows: list[dict], path: str, keys=("reward", "success", "par
     return path
 
 
-ROLE_COLORS = {"warmstart": "tab:purple", "eval": "tab:green", "rollout": "tab:blue",
+ROLE_COLORS = {"lost": "tab:red", "warmstart": "tab:purple", "eval": "tab:green", "rollout": "tab:blue",
                "train": "tab:orange", "switch": "tab:red"}  # fmt: skip
 
 

@@ -102,7 +102,8 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
         # every part's own checks, the cell layout and the environment, before anything is
         # written
         specs = builder.build_specs(cfg)
-        mesh.cells_for(specs.mesh)
+        if specs.cluster.backend == "local":  # a Ray actor checks its own devices
+            mesh.cells_for(specs.mesh)
         builder.environment(specs, with_model=cfg.run.entry in ("rl", "sft"))
     except ConfigError as e:
         sys.exit(f"config error: {e}")

@@ -20,6 +20,7 @@ import os
 
 from gyre import mesh
 from gyre.agent.context import AgentSettings
+from gyre.cluster.spec import ClusterSpec
 from gyre.elastic import calibration
 from gyre.elastic.policy import PolicyParams
 from gyre.envs.base import Environment
@@ -97,6 +98,10 @@ def build_specs(cfg) -> Specs:
     """Every part's spec from a validated config; a value a part rejects is a ConfigError."""
     try:
         init_dir, model = _checkpoint_model(cfg, _pick(decoder.ModelSpec, cfg.model))
+        if cfg.cluster.backend == "ray" and (cfg.sft.steps or cfg.run.entry != "rl"):
+            raise ConfigError("config key 'cluster.backend' ('ray') runs the RL entry without a "
+                              "warm start: set sft.steps=0 (start from a warm start's export "
+                              "with model.hf_dir) and run.entry='rl'")  # fmt: skip
         if is_chat(cfg.env.name) and cfg.sft.steps:
             raise ConfigError(f"config key 'sft.steps' must be 0 for the chat task "
                               f"{cfg.env.name!r}: the warm start makes ledger demonstrations")  # fmt: skip
@@ -168,6 +173,7 @@ def build_specs(cfg) -> Specs:
                 seed=cfg.seed,
                 seed_train_tps=_seed_train_tps(cfg.scheduler.calibration),
             ),  # fmt: skip
+            cluster=_pick(ClusterSpec, cfg.cluster),
             eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.eval.temperature, cfg.seed),
             sft=SftSpec(
                 recipe,
@@ -197,9 +203,20 @@ class Runtime:
     checkpointer: Checkpointer
     proxy: Proxy
     resumed: bool  # the trainer came from a checkpoint in the workdir
+    cluster: object = None  # the Ray actors' handles (gyre/cluster/remote.py); None in-process
 
     def path(self, name: str) -> str:
         return os.path.join(self.workdir, name)
+
+    def final_params(self):
+        """The trainer's current weights, for an export (fetched to the host from Ray)."""
+        return self.trainer.params if self.cluster is None else self.cluster.host_params()
+
+    def close(self) -> None:
+        """Waits for checkpoint writes; ends the Ray actors (and a Ray instance it started)."""
+        self.checkpointer.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     def install(self, params) -> None:
         """Starts RL from ``params`` (e.g. the warm start) at version 0."""
@@ -287,22 +304,36 @@ def chat_format(specs: Specs):
                                       enable_thinking=specs.env.enable_thinking)  # fmt: skip
 
 
+def initial_trainer(specs: Specs, cells, graphdef, ckpt: Checkpointer) -> tuple[Trainer, bool]:
+    """The trainer on ``cells`` (cells[0] the core): restored from ``ckpt`` when it holds a
+    checkpoint (the initial weights are then never made), else from ``model.hf_dir`` or a
+    fresh init from the seed -> (trainer, resumed)."""
+    if ckpt.latest_step() is not None:
+        trainer, _ = Trainer.restore(specs.trainer, cells, graphdef, ckpt)
+        log.info("resumed at version %d from %s", trainer.version, ckpt.directory)
+        return trainer, True
+    params = (load_initial(specs, cells[0]) if specs.init_dir
+              else decoder.init_sharded(specs.model, specs.seed, cells[0], "train")[1])  # fmt: skip
+    return Trainer(specs.trainer, cells, graphdef, params), False
+
+
 def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
     """Cells, environment, weights (``params``, a checkpoint in the workdir, or a fresh init
-    from the seed), trainer, one rollout engine per cell and the proxy over them."""
+    from the seed), trainer, one rollout engine per cell and the proxy over them. With
+    ``cluster.backend=ray`` the cells, trainer and engines live in Ray actors
+    (gyre/cluster/remote.py) and the runtime holds their handles."""
+    if specs.cluster.backend == "ray":
+        from gyre.cluster.remote import build_ray_runtime
+
+        return build_ray_runtime(specs, workdir)
     cells = mesh.cells_for(specs.mesh)
     env = environment(specs)
     graphdef, _ = decoder.abstract_model(specs.model, specs.seed)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
-    resumed = ckpt.latest_step() is not None
-    if resumed:  # the initial weights are never made: the checkpoint replaces them
-        trainer, _ = Trainer.restore(specs.trainer, cells, graphdef, ckpt)
-        log.info("resumed at version %d from %s", trainer.version, ckpt.directory)
+    if params is not None and ckpt.latest_step() is None:
+        trainer, resumed = Trainer(specs.trainer, cells, graphdef, params), False
     else:
-        if params is None:
-            params = (load_initial(specs, cells[0]) if specs.init_dir
-                      else decoder.init_sharded(specs.model, specs.seed, cells[0], "train")[1])  # fmt: skip
-        trainer = Trainer(specs.trainer, cells, graphdef, params)
+        trainer, resumed = initial_trainer(specs, cells, graphdef, ckpt)
     engines = [Engine(specs.rollout, cell, trainer.params_for(cell, "rollout"), trainer.version)
                for cell in cells]  # fmt: skip
     proxy = Proxy(engines)

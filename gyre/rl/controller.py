@@ -29,6 +29,7 @@ import numpy as np
 
 from gyre.agent.harness import run_execution
 from gyre.elastic import policy as policies
+from gyre.errors import CellLost
 from gyre.rl import evaluation
 from gyre.rl.evaluation import Notifying
 from gyre.rl.measure import PoolCounters, RunFigures
@@ -86,23 +87,29 @@ class Controller:
 
     # ------------------------------------------------------------------ policy and roles
 
+    def alive(self) -> list[int]:
+        """Cell indices still in the run (a lost cell's process is gone: gyre/cluster/)."""
+        return [i for i in range(len(self.roles)) if i not in self.proxy.lost]
+
     def snapshot(self) -> policies.LoadSnapshot:
-        """The policy's view, every figure measured (gyre/rl/measure.py, the KV pools)."""
+        """The policy's view of the cells still alive, every figure measured
+        (gyre/rl/measure.py, the KV pools)."""
         # Only the oldest step's micro-batches are trainable now (see train_one).
         oldest = self.steps[min(self.steps)] if self.steps else None
         run = self.specs.run
         engines = self.proxy.engines  # by cell index
-        live = tuple(engines[i].num_live if r == "rollout" else 0
-                     for i, r in enumerate(self.roles))  # fmt: skip
+        alive = self.alive()
+        pick = lambda xs: tuple(xs[i] for i in alive)
+        live = tuple(engines[i].num_live if self.roles[i] == "rollout" else 0 for i in alive)
         return policies.LoadSnapshot(
-            roles=tuple(self.roles),
+            roles=pick(self.roles),
             dispatched=self.counters["dispatched"],
             started=self.counters["started"],
             finished=self.counters["finished"],
             live_requests=live,
             train_queue_tokens=oldest.queued_tokens if oldest else 0.0,
-            rollout_capacity=self.proxy.capacity_contexts(),
-            train_throughput=self.figures.train_throughput(),
+            rollout_capacity=pick(self.proxy.capacity_contexts()),
+            train_throughput=pick(self.figures.train_throughput()),
             switch_r2t_s=self.figures.switch_r2t_s,
             switch_t2r_s=self.figures.switch_t2r_s,
             step=self.next_step,
@@ -112,7 +119,8 @@ class Controller:
         )
 
     def apply_roles(self, roles) -> None:
-        for i, role in enumerate(roles):
+        """Switches cells to ``roles`` (one per cell still alive, in index order)."""
+        for i, role in zip(self.alive(), roles):
             if role == self.roles[i]:
                 continue
             self.timeline.switch(i, "switch")
@@ -128,6 +136,14 @@ class Controller:
                 self.figures.record_switch("t2r", time.perf_counter() - t0)
             self.roles[i] = role
             self.timeline.switch(i, role)
+        self._forget_lost()
+
+    def _forget_lost(self) -> None:
+        """Cells lost since the last look leave the time line (their work is redone)."""
+        for i in self.proxy.lost:
+            if self.roles[i] != "lost":
+                self.roles[i] = "lost"
+                self.timeline.switch(i, "lost")
 
     # ------------------------------------------------------------------ rollout side
 
@@ -177,6 +193,7 @@ class Controller:
 
     def train_one(self) -> bool:
         """Computes one queued micro-batch on the next train cell; False if nothing to do."""
+        self._forget_lost()
         cells = [c for c in self.rt.cells if self.roles[c.index] == "train"]
         # Only the oldest step trains: a later step's gradient must be taken at the weights
         # its update is applied to, which exist once the older step's update lands.
@@ -187,7 +204,15 @@ class Controller:
         cell = cells[self._rr % len(cells)]
         self._rr += 1
         t0, tick = time.time(), self.figures.clock()
-        res = self.trainer.compute_grads(cell, mb)
+        try:
+            res = self.trainer.compute_grads(cell, mb)
+        except CellLost as e:
+            if e.cell == 0:
+                raise
+            work.queue.appendleft((part, mb))  # computed again on a cell still alive
+            self.proxy.lose(cell.index)
+            self.progress()
+            return True
         work.grads.append((part, res))
         self.figures.time_microbatch(cell.index, float(np.sum(mb.arrays["w"] > 0)), res.metrics,
                                      tick)  # fmt: skip
@@ -213,7 +238,7 @@ class Controller:
 
     async def evaluate(self, num_tasks: int, seed: int, temperature: float = 0.0) -> dict:
         """Held-out evaluation, on the roles it declares (gyre/rl/evaluation.py)."""
-        self.apply_roles(evaluation.required_roles(tuple(self.roles)))
+        self.apply_roles(evaluation.required_roles(tuple(self.roles[i] for i in self.alive())))
         roles = self.timeline.set_all("eval")
         try:
             client = Notifying(self.proxy, self.progress)

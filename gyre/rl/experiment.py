@@ -126,15 +126,23 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict,
 def rl(cfg, workdir: str, after_microbatch=None) -> dict:
     """Runs (or resumes) one RL experiment in ``workdir`` and returns its summary.
 
-    after_microbatch: a hook called with the micro-batch count (tests kill the run with it).
-    A relaunch of a finished run raises AlreadyFinished and leaves the workdir as it is.
+    after_microbatch: a hook called with the micro-batch count (tests kill the run, or one of
+    its Ray actors, with it). A relaunch of a finished run raises
+    AlreadyFinished and leaves the workdir as it is.
     """
     t0 = time.time()
     specs = build_specs(cfg)
     rt = build_runtime(specs, workdir)
+    try:
+        return _rl(rt, t0, after_microbatch)
+    finally:
+        rt.close()
+
+
+def _rl(rt, t0: float, after_microbatch) -> dict:
+    specs, workdir = rt.specs, rt.workdir
     steps = specs.run.steps
     if rt.resumed and rt.trainer.version >= steps:
-        rt.checkpointer.close()
         raise AlreadyFinished(
             f"{workdir} already holds all {steps} steps of this run; its outputs are left as "
             f"they are (raise run.steps to train on, or use another workdir)"
@@ -182,10 +190,10 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
                 complete = asyncio.run(ctrl.run(recorder))
         finally:
             writer.close()
-            rt.checkpointer.close()
+            rt.checkpointer.wait()
             timeline.save(rt.path("timeline.json"))
     if complete and is_chat(specs.env.name):  # the trained policy, in the layout it came in
-        export_checkpoint(rt, rt.trainer.params)
+        export_checkpoint(rt, rt.final_params())
     if not complete:
         raise Stopped(f"stopped on request after step {rt.trainer.version}/{steps}, "
                       f"checkpointed: relaunch the same command to continue {workdir}")  # fmt: skip
@@ -204,6 +212,8 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
         prefix_hit_rate=round(rt.proxy.prefix_hit_rate(), 4),
         finished=True,
     )
+    if rt.cluster is not None:  # every cross-process move, and the pulls that made them
+        summary["transfers"] = rt.cluster.transfer_stats()
     # The policy loss is ~0 by construction at the start of an on-policy step (ratio 1,
     # mean-centred advantages), so the curves show what moves: success, reward, evaluation,
     # the policy's entropy and the gradient norm.

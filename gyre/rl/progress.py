@@ -59,8 +59,8 @@ class RoleTimeline:
     """Per-cell role spans over the whole run (wall seconds) and busy time.
 
     Roles: 'rollout' and 'train' (what the scheduler allocates), 'switch' (a cell handing its
-    requests over or loading weights), 'eval' (greedy evaluation) and 'warmstart' (supervised
-    steps before RL). ``history``: the spans an earlier part of this run wrote to
+    requests over or loading weights), 'eval' (greedy evaluation), 'warmstart' (supervised
+    steps before RL) and 'lost' (its process died: gyre/cluster/remote.py). ``history``: the spans an earlier part of this run wrote to
     timeline.json; the new spans continue after them, so a resumed run has one time line.
     """
 

@@ -13,9 +13,10 @@ from gyre.metrics import clock, eta, standard_error
 def where_line(rt, workdir: str) -> str:
     """One line: what runs where (devices, cells, scheduler, the work)."""
     s, cells = rt.specs, rt.cells
-    platform = cells[0].devices[0].platform
     n = sum(c.size for c in cells)
-    return (f"{s.name}: {n} {platform} device(s) as {len(cells)} cell(s) of {cells[0].size}, "
+    actors = (f" in {s.cluster.actors} Ray actors" if s.cluster.backend == "ray" else "")
+    return (f"{s.name}: {n} {cells[0].platform} device(s) as {len(cells)} cell(s) of "
+            f"{cells[0].size}{actors}, "
             f"{s.run.policy} scheduler, {s.run.steps} RL steps of {s.run.tasks_per_step} tasks x "
             f"{s.run.samples_per_task} samples, env {s.env.name}; workdir {workdir}")  # fmt: skip
 

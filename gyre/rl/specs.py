@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from gyre.agent.context import AgentSettings
+from gyre.cluster.spec import ClusterSpec
 from gyre.elastic.policy import PolicyParams
 from gyre.envs.registry import EnvSpec
 from gyre.mesh import MeshSpec
@@ -117,3 +118,4 @@ class Specs:
     run: RunSpec
     eval: EvalSpec
     sft: SftSpec
+    cluster: ClusterSpec = ClusterSpec()

@@ -229,6 +229,10 @@ class Engine:
     back on another cell counts nothing here.
     """
 
+    # A cell in this process is never lost (gyre/cluster/remote.py: a RemoteEngine can be).
+    lost = False
+    orphans: tuple[int, ...] = ()
+
     def __init__(self, spec: RolloutSpec, cell: gmesh.Cell, state, version: int = 0):
         r = spec
         self.cell, self.vocab_size = cell, spec.model.vocab_size
@@ -666,6 +670,12 @@ class Engine:
         if active:
             self._decode(active, done)
         return done
+
+    def begin_step(self) -> Callable[[], list[tuple[int, GenerateResponse]]]:
+        """Runs :meth:`step` -> a function returning its result (the proxy starts every cell's
+        step before collecting any, so cells in other processes step at once)."""
+        done = self.step()
+        return lambda: done
 
     def run_until_done(self, max_steps: int = 100_000) -> dict[int, GenerateResponse]:
         """Steps until nothing is live (tests, benchmarks)."""

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from gyre.errors import CellLost
 from gyre.rollout.engine import Engine, footprint, request_name, validate_request
 from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse
 
@@ -75,6 +76,7 @@ class Proxy:
         self.affinity: dict[str, int] = {}
         self.stats = collections.Counter()
         self.latest_weights = None
+        self.lost: set[int] = set()  # cells whose process was lost (gyre/cluster/remote.py)
         self._rids = itertools.count()
         self._wake: asyncio.Event | None = None
 
@@ -104,12 +106,11 @@ class Proxy:
         self._drop_cancelled()
         self._dispatch()
         finished = 0
-        for index in sorted(self.rollout):
-            engine = self.engines[index]
-            if engine.num_live:
-                for rid, response in engine.step():
-                    self._finish(rid, response)
-                    finished += 1
+        live = [self.engines[i] for i in sorted(self.rollout) if self.engines[i].num_live]
+        for finish in [engine.begin_step() for engine in live]:
+            for rid, response in finish():
+                self._finish(rid, response)
+                finished += 1
         self._dispatch()
         return finished
 
@@ -156,15 +157,34 @@ class Proxy:
             self.stats["admission_wait_s"] += time.perf_counter() - call.submitted
 
     def _dispatch(self) -> None:
+        self._recover()
         while self.waiting:
             call = self.calls[self.waiting[0]]
             target = self._pick(call)
             if target is None:
-                return
+                break
             self.waiting.popleft()
             self.engines[target].submit(call.current, call.rid)
             call.cell = target
             self.affinity[call.request.execution_id] = target
+        if self._recover():  # a submit found its cell lost
+            self._dispatch()
+
+    def _recover(self) -> bool:
+        """Cells newly lost leave rollout; the calls live there wait again, to be retried from
+        their exact token record (the tokens of the attempt in flight went with the cell; keyed
+        sampling makes them again). -> whether any cell was newly lost."""
+        new = [i for i, e in self.engines.items() if e.lost and i not in self.lost]
+        for index in new:
+            self.lost.add(index)
+            self.rollout.discard(index)
+            orphans = [rid for rid in self.engines[index].orphans if rid in self.calls]
+            for rid in reversed(orphans):
+                self.calls[rid].cell = None
+                if rid not in self.waiting:
+                    self.waiting.appendleft(rid)
+            self.stats["lost_retried"] += len(orphans)
+        return bool(new)
 
     def _finish(self, rid: int, response: GenerateResponse) -> None:
         call = self.calls.pop(rid)
@@ -218,7 +238,10 @@ class Proxy:
         counts = collections.Counter()
         for rid in reversed(engine.live_ids()):  # reversed: appendleft keeps the original order
             call = self.calls[rid]
-            exp = engine.export(rid)
+            try:
+                exp = engine.export(rid)
+            except CellLost:  # the rest are the lost cell's orphans (see _recover)
+                break
             target = self._pick(call) if mode == "migrate" and exp.rows is not None else None
             if target is not None:
                 self.engines[target].import_(exp)
@@ -234,11 +257,20 @@ class Proxy:
         self._notify()
         return dict(counts)
 
+    def lose(self, cell_index: int) -> None:
+        """Marks a cell lost (found so outside the proxy, e.g. by a gradient call): it leaves
+        rollout and whatever was live on it is retried elsewhere."""
+        engine = self.engines[cell_index]
+        if not engine.lost:
+            engine.lose()
+        self._dispatch()
+        self._notify()
+
     def admit(self, cell_index: int, state=None, version: int | None = None) -> None:
         """Brings a cell (back) into rollout with the given or the latest published weights."""
         if cell_index not in self.engines:
             raise ValueError(f"unknown cell {cell_index}; known: {sorted(self.engines)}")
-        if cell_index in self.rollout:
+        if cell_index in self.rollout or cell_index in self.lost:
             return
         if state is None and self.latest_weights is not None:
             state, version = self.latest_weights

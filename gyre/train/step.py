@@ -212,6 +212,23 @@ def update_program(spec: topt.OptimizerSpec):
     return jax.jit(fn, donate_argnums=(1, 2))
 
 
+def microbatch_grads(program, cell, params, ref_params, mb: Microbatch, version: int) -> GradResult:
+    """One micro-batch through ``program`` (a :func:`gradient_program` of ``cell``'s mesh) at
+    ``params`` (the 'train' layout on ``cell``) -> its gradient on ``cell`` and metric sums."""
+    rows = mb.arrays["tokens"].shape[0]
+    data = cell.mesh.shape["data"]
+    if rows % data:
+        raise ValueError(
+            f"micro-batch has {rows} rows, not divisible by the {data} data shards of cell "
+            f"{cell.index}; set train.rows_per_microbatch to a multiple of {data}"
+        )
+    rows_sh = NamedSharding(cell.mesh, PartitionSpec("data", None))
+    batch = {k: jax.device_put(np.asarray(mb.arrays[k]), rows_sh) for k in tloss.TRAIN_FIELDS}
+    version = jax.device_put(np.int32(version), NamedSharding(cell.mesh, PartitionSpec()))
+    grads, metrics = program(params, ref_params, batch, version)
+    return GradResult(grads, metrics, cell.index, list(mb.exec_ids))
+
+
 class Trainer:
     """Gradient programs on any train cell, optimizer state and authoritative weights on the
     core cell (``cells[0]``). It owns the step and version counters and step skipping."""
@@ -276,21 +293,10 @@ class Trainer:
 
     def compute_grads(self, cell, mb: Microbatch) -> GradResult:
         """Gradient (on ``cell``, 'train' layout) and metric sums of one micro-batch."""
-        rows = mb.arrays["tokens"].shape[0]
-        data = cell.mesh.shape["data"]
-        if rows % data:
-            raise ValueError(
-                f"micro-batch has {rows} rows, not divisible by the {data} data shards of cell "
-                f"{cell.index}; set train.rows_per_microbatch to a multiple of {data}"
-            )
-        rows_sh = NamedSharding(cell.mesh, PartitionSpec("data", None))
-        batch = {k: jax.device_put(np.asarray(mb.arrays[k]), rows_sh) for k in tloss.TRAIN_FIELDS}
-        version = jax.device_put(np.int32(self.version), NamedSharding(cell.mesh, PartitionSpec()))
-        grads, metrics = self.program(cell)(
-            self.params_for(cell), self._ref_for(cell), batch, version
-        )
+        res = microbatch_grads(self.program(cell), cell, self.params_for(cell),
+                               self._ref_for(cell), mb, self.version)  # fmt: skip
         self.microbatches_done += 1
-        return GradResult(grads, metrics, cell.index, list(mb.exec_ids))
+        return res
 
     # ------------------------------------------------------------------ update on the core
 
