@@ -27,7 +27,7 @@ def metrics(workdir) -> list[dict]:
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not isolation_available(), reason="the code task needs bubblewrap")
+@pytest.mark.skipif(not isolation_available()[0], reason="the code task needs bubblewrap")
 def test_qwen3_code_tiny_runs_two_steps_and_exports_a_qwen3_directory(tmp_path):
     launch("experiments/qwen3_code.py:tiny", tmp_path, "--config.eval.tasks=2")
     rows = metrics(tmp_path)

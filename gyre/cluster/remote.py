@@ -198,10 +198,12 @@ class RayCluster:
         cross-process move went through the transfer service)."""
         pulls = collections.Counter()
         for a, actor in enumerate(self.actors):
-            if a not in self.dead:
-                pulls.update(
-                    self.get(actor.call.remote("transfer_stats"), a * self.spec.cells_per_actor)
-                )
+            if a not in self.dead:  # (a lost actor's pulls are lost with it)
+                try:
+                    cell = self.spec.cells_of(a)[0]
+                    pulls.update(self.get(actor.call.remote("transfer_stats"), cell))
+                except CellLost:
+                    pass
         return {"moves": dict(self.moves), "moves_total": sum(self.moves.values()),
                 "pulls": pulls.get("pulls", 0), "pulled_bytes": pulls.get("pulled_bytes", 0),
                 "lost_actors": sorted(self.dead)}  # fmt: skip

@@ -59,7 +59,8 @@ class Controller:
         self.timeline.set_all("rollout")
         self.trace = TraceWriter(rt.path("trace.jsonl"), self.specs.agent.max_seconds)
         self.counters = collections.Counter()  # dispatched, started, finished
-        self.handovers = collections.Counter()
+        self.handovers = collections.Counter()  # by path; and what lost cells cost
+        self._lost_retried = 0
         self.steps: dict[int, StepWork] = {}
         self.next_step = self.trainer.version  # one optimizer step per RL step
         self.wake = asyncio.Event()
@@ -144,6 +145,7 @@ class Controller:
             if self.roles[i] != "lost":
                 self.roles[i] = "lost"
                 self.timeline.switch(i, "lost")
+                self.handovers["cells_lost"] += 1
 
     # ------------------------------------------------------------------ rollout side
 
@@ -210,6 +212,7 @@ class Controller:
             if e.cell == 0:
                 raise
             work.queue.appendleft((part, mb))  # computed again on a cell still alive
+            self.handovers["microbatches_redone"] += 1
             self.proxy.lose(cell.index)
             self.progress()
             return True
@@ -225,6 +228,11 @@ class Controller:
     def finish_step(self, work: StepWork) -> StepRecord:
         """Applies the step's update, publishes the new weights, returns the step's record."""
         outcome = self.trainer.apply_parts(work.grads, work.part_counts)
+        self._forget_lost()
+        retried = self.proxy.stats["lost_retried"]  # calls of lost cells, retried elsewhere
+        if retried > self._lost_retried:
+            self.handovers["lost_retried"] += retried - self._lost_retried
+            self._lost_retried = retried
         self.proxy.set_weights(self.trainer.params, self.trainer.version)
         del self.steps[work.step]
         return StepRecord(
