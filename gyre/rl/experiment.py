@@ -180,6 +180,7 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
             ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch,
                               should_stop=stop_requested, on_progress=watchdog.beat)  # fmt: skip
             where["now"] = ctrl.where
+            watchdog.beat()  # what came before RL has finished: the controller's time starts now
             recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)
             rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
             ctrl.handovers.update({k[len("handover_"):]: v for k, v in (rows[-1] if rows else {})
