@@ -179,7 +179,7 @@ def time_step(ctrl, mb, repeats: int):
         jax.block_until_ready(ctrl.trainer.params)
         t1 = time.perf_counter()
         ctrl.proxy.set_weights(ctrl.trainer.params, ctrl.trainer.version)
-        jax.block_until_ready([e.state for e in ctrl.proxy.engines.values()])
+        jax.block_until_ready([e.weights for e in ctrl.proxy.engines.values()])
         t2 = time.perf_counter()
         ctrl.trainer.save(ctrl.rt.checkpointer, {"next_step": ctrl.trainer.version}, wait=True)
         t3 = time.perf_counter()
@@ -196,7 +196,7 @@ def time_switch(ctrl, repeats: int):
         for roles in (["train"] + ["rollout"] * (k - 1), ["rollout"] * k):
             t = time.perf_counter()
             ctrl.apply_roles(roles)
-            jax.block_until_ready([e.state for e in ctrl.proxy.engines.values()])
+            jax.block_until_ready([e.weights for e in ctrl.proxy.engines.values()])
             rows.append({"seconds": time.perf_counter() - t, "to": roles[0]})
     return rows
 

@@ -146,7 +146,7 @@ def cycle(trainer, proxy, cell, mb, request):
     out["t2r_move_s"], _ = timed(lambda: gmesh.move(trainer.params, eng.programs.state_sh))
     t0 = time.perf_counter()
     proxy.admit(cell.index, trainer.params, trainer.version)
-    jax.block_until_ready((eng.state, eng.cache))
+    jax.block_until_ready((eng.weights, eng.cache))
     out["t2r_admit_s"] = time.perf_counter() - t0
     eng.submit(request)
     steps = eng.stats["decode_steps"]
@@ -217,7 +217,7 @@ def main():
 
     eng = proxy.engines[cell.index]
     b_train = dest_bytes(trainer.params_for(cell, "train"))
-    b_roll = dest_bytes(eng.state)
+    b_roll = dest_bytes(eng.weights)
     b_ref = {role: dest_bytes(jax.device_put(*refs[role, True])) for role in gmesh.ROLES}
     cache_bytes = dest_bytes(eng.cache)
     rows = [  # name, bytes, seconds, reference role

@@ -295,8 +295,8 @@ def test_budget_helper_and_derived_budget():
         kv_budget_tokens(1000, 0, 0, 0)
     e = engine()
     assert e.budget == 4 * 64  # CPU reports no memory: slots * max_len
-    assert pool_budget(1000, e.cache, e.state, CELLS[0].devices) == 256  # capped: allocated
-    assert pool_budget(100, e.cache, e.state, CELLS[0].devices) == 100
+    assert pool_budget(1000, e.cache, e.weights, CELLS[0].devices) == 256  # capped: allocated
+    assert pool_budget(100, e.cache, e.weights, CELLS[0].devices) == 100
 
     class Device:  # reports its memory, as an accelerator does
         def __init__(self, limit):
@@ -307,9 +307,9 @@ def test_budget_helper_and_derived_budget():
 
     # per device: 2 of the 4 slots (slots over 'data' = 2), one token's k and v rows in f32
     per_token = 2 * SPEC.model.num_layers * SPEC.model.num_kv_heads * SPEC.model.head_dim * 4
-    weights = sum(x.nbytes for x in jax.tree.leaves(e.state))  # replicated: whole on each
+    weights = sum(x.nbytes for x in jax.tree.leaves(e.weights))  # replicated: whole on each
     limit = int((weights + 40 * per_token) / 0.9) + 1  # 40 tokens left after a 10% reserve
-    assert pool_budget(0, e.cache, e.state, [Device(limit), Device(2 * limit)]) == 2 * 40
-    assert pool_budget(0, e.cache, e.state, [Device(10**12)] * 2) == 256
+    assert pool_budget(0, e.cache, e.weights, [Device(limit), Device(2 * limit)]) == 2 * 40
+    assert pool_budget(0, e.cache, e.weights, [Device(10**12)] * 2) == 256
     with pytest.raises(ValueError, match="kv_tokens"):
         dataclasses.replace(SPEC, kv_tokens=-1)

@@ -242,7 +242,7 @@ class RemoteEngine:
         self.cluster, self.cell = cluster, cell
         self.vocab_size, self.max_len = spec.model.vocab_size, spec.max_len
         self.on_admit = None
-        self.state = self.cache = None  # on the actor
+        self.weights = self.cache = None  # on the actor
         self.lost, self.orphans = False, []
         self.stats: dict = {}
         self._status = self._call("resume", cluster.weights(cell.index, "rollout"), version)

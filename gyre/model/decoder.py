@@ -7,6 +7,8 @@ SwiGLU MLP, final norm, tied or untied lm_head.
 Layer parameters are stacked along a leading 'layers' axis and run with ``jax.lax.scan``, so
 compile time does not grow with depth. Every parameter carries a ``logical_axes`` metadata
 tuple (names from ``gyre.mesh.RULES``); :func:`param_logical_axes` collects them.
+Rollout serves from :func:`serving_weights` instead: one dict per layer, unrolled, made once
+per weight install (:func:`forward_serving`, :func:`serving_logits`).
 Parameters are float32; activations use ``spec.dtype``.
 """
 
@@ -180,16 +182,7 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden_BxNxD):
         """Vocabulary logits [B,N,V] in float32 (the head runs in spec.dtype, accumulates fp32)."""
-        if self.spec.tie_embeddings:
-            w_DxV = self.embed[...].T
-        else:
-            w_DxV = self.lm_head[...]
-        return jnp.einsum(
-            "bnd,dv->bnv",
-            hidden_BxNxD.astype(self.dtype),
-            w_DxV.astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        return serving_logits(self.spec, self.serving_weights(layers=False), hidden_BxNxD)
 
     def init_cache(self, num_slots: int, max_len: int, dtype=jnp.float32):
         """Empty slot KV cache: {'k','v'}: L arrays [S, KVH, M, Dh] (axes CACHE_AXES).
@@ -202,46 +195,78 @@ class Decoder(nnx.Module):
         return {k: tuple(jnp.zeros(shape, dtype) for _ in range(spec.num_layers)) for k in "kv"}
 
     def unstack_layers(self) -> list[dict]:
-        """The stacked layer parameters as one dict of arrays per layer (a copy: hoisted out of
-        a decode loop, the loop's steps read each layer's weights in place)."""
+        """The stacked layer parameters as one dict of arrays per layer (a copy)."""
         stacked = self._layer_params()
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.spec.num_layers)]
 
-    def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B, layers=None):
-        """Causal forward of T new tokens per row against slot ``slot_B[b]`` of the cache.
+    def serving_weights(self, layers: bool = True) -> dict:
+        """The weights in the rollout engine's layout (see :func:`serving_weights`)."""
+        w = {"embed": self.embed[...], "final_norm": self.final_norm[...]}
+        if not self.spec.tie_embeddings:
+            w["lm_head"] = self.lm_head[...]
+        if layers:
+            w["layers"] = tuple(self.unstack_layers())
+        return w
 
-        Writes the new K/V at cache positions start..start+T-1 of the slot and lets token t
-        attend to entries [0, start+t] of that slot. Returns (hidden [B,T,D], new cache).
-        Used for chunked prefill (T = chunk) and decode (T = 1). Tokens past the real prompt
-        in a padded chunk are computed and written like real ones; the caller ignores their
-        outputs and later overwrites their entries (the next write starts at the true length).
-        Writes past max_len are dropped, so keep start + T <= max_len for real tokens.
-        Slots must be distinct within one call. ``slot_B=None``: row b is slot b, every slot
-        (decode), which reads each layer's cache in place instead of gathering its rows.
-        ``layers``: :meth:`unstack_layers` computed once outside a loop of calls; None =
-        sliced here from the stacked parameters. Layers run unrolled (static indices).
-        """
-        spec, dtype = self.spec, self.dtype
-        t = tokens_BxT.shape[1]
-        every = slot_B is None
-        if every:
-            slot_B = jnp.arange(tokens_BxT.shape[0], dtype=start_B.dtype)
-        idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
-        slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
-        x = self.embed[...].astype(dtype)[tokens_BxT]
-        layers = self.unstack_layers() if layers is None else layers
-        ks, vs = list(cache["k"]), list(cache["v"])
-        for i, p in enumerate(layers):
-            q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
-            # [S, KVH, M, Dh] at (slot, :, idx): the indexed view is [B, T, KVH, Dh]
-            ks[i] = ks[i].at[slot_BxT, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
-            vs[i] = vs[i].at[slot_BxT, :, idx_BxT].set(v.astype(vs[i].dtype), mode="drop")
-            k_BxKxMxDh = (ks[i] if every else ks[i][slot_B]).astype(dtype)
-            v_BxKxMxDh = (vs[i] if every else vs[i][slot_B]).astype(dtype)
-            out = attention.cached_attention(q, k_BxKxMxDh, v_BxKxMxDh, idx_BxT, start_B + t)
-            x = _finish_block(p, x, out, spec, dtype)
-        x = rms_norm(x, self.final_norm[...], spec.rms_eps)
-        return x, {"k": tuple(ks), "v": tuple(vs)}
+    def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+        """:func:`forward_serving` with this model's weights."""
+        weights = self.serving_weights()
+        return forward_serving(self.spec, weights, tokens_BxT, pos_BxT, cache, slot_B, start_B)
+
+
+def serving_logical_axes(spec: ModelSpec) -> dict:
+    """Logical axes of :func:`serving_weights`' pytree (tuples are leaves)."""
+    axes = {"embed": ("vocab", "embed"), "final_norm": ("embed",),
+            "layers": (dict(LAYER_AXES),) * spec.num_layers}  # fmt: skip
+    if not spec.tie_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def serving_logits(spec: ModelSpec, weights: dict, hidden_BxNxD):
+    """Vocabulary logits [B,N,V] in float32 from serving (or any dict with 'embed' and, when
+    untied, 'lm_head') weights."""
+    dtype = jnp.dtype(spec.dtype)
+    w_DxV = weights["embed"].T if spec.tie_embeddings else weights["lm_head"]
+    return jnp.einsum("bnd,dv->bnv", hidden_BxNxD.astype(dtype), w_DxV.astype(dtype),
+                      preferred_element_type=jnp.float32)  # fmt: skip
+
+
+def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+    """Causal forward of T new tokens per row against slot ``slot_B[b]`` of the cache.
+
+    ``weights``: :func:`serving_weights` (one dict of arrays per layer, made once per weight
+    install, so a decode loop reads each layer's weights in place and no dispatch copies
+    them out of the stacked [L, ...] parameters). Writes the new K/V at cache positions
+    start..start+T-1 of the slot and lets token t attend to entries [0, start+t] of that
+    slot. Returns (hidden [B,T,D], new cache). Used for chunked prefill (T = chunk) and
+    decode (T = 1). Tokens past the real prompt in a padded chunk are computed and written
+    like real ones; the caller ignores their outputs and later overwrites their entries (the
+    next write starts at the true length). Writes past max_len are dropped, so keep
+    start + T <= max_len for real tokens. Slots must be distinct within one call.
+    ``slot_B=None``: row b is slot b, every slot (decode), which reads each layer's cache in
+    place instead of gathering its rows. Layers run unrolled (static indices).
+    """
+    dtype = jnp.dtype(spec.dtype)
+    t = tokens_BxT.shape[1]
+    every = slot_B is None
+    if every:
+        slot_B = jnp.arange(tokens_BxT.shape[0], dtype=start_B.dtype)
+    idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
+    slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
+    x = weights["embed"].astype(dtype)[tokens_BxT]
+    ks, vs = list(cache["k"]), list(cache["v"])
+    for i, p in enumerate(weights["layers"]):
+        q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
+        # [S, KVH, M, Dh] at (slot, :, idx): the indexed view is [B, T, KVH, Dh]
+        ks[i] = ks[i].at[slot_BxT, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
+        vs[i] = vs[i].at[slot_BxT, :, idx_BxT].set(v.astype(vs[i].dtype), mode="drop")
+        k_BxKxMxDh = (ks[i] if every else ks[i][slot_B]).astype(dtype)
+        v_BxKxMxDh = (vs[i] if every else vs[i][slot_B]).astype(dtype)
+        out = attention.cached_attention(q, k_BxKxMxDh, v_BxKxMxDh, idx_BxT, start_B + t)
+        x = _finish_block(p, x, out, spec, dtype)
+    x = rms_norm(x, weights["final_norm"], spec.rms_eps)
+    return x, {"k": tuple(ks), "v": tuple(vs)}
 
 
 def param_logical_axes(model_or_state):
@@ -294,12 +319,14 @@ def apply_logits(graphdef, state, hidden_BxNxD):
     return nnx.merge(graphdef, state).logits(hidden_BxNxD)
 
 
-def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B, layers=None):
+def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B):
     """Pure Decoder.forward_cached for plain jax.jit (donate ``cache`` for in-place writes)."""
     model = nnx.merge(graphdef, state)
-    return model.forward_cached(tokens_BxT, pos_BxT, cache, slot_B, start_B, layers)
+    return model.forward_cached(tokens_BxT, pos_BxT, cache, slot_B, start_B)
 
 
-def unstack_layers(graphdef, state) -> list[dict]:
-    """Pure Decoder.unstack_layers (hoist it out of a loop over decode steps)."""
-    return nnx.merge(graphdef, state).unstack_layers()
+def serving_weights(graphdef, state) -> dict:
+    """The parameter state in the rollout engine's layout: {'embed' [V,D], 'final_norm' [D],
+    'lm_head' [D,V] (untied only), 'layers': L dicts of one layer's arrays} (a copy of the
+    stacked layers; the engine keeps only this). Axes: :func:`serving_logical_axes`."""
+    return nnx.merge(graphdef, state).serving_weights()

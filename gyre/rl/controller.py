@@ -133,7 +133,7 @@ class Controller:
             else:
                 self.proxy.admit(i, self.trainer.params, self.trainer.version)
                 engine = self.proxy.engines[i]
-                jax.block_until_ready((engine.state, engine.cache))  # the weights are loaded
+                jax.block_until_ready((engine.weights, engine.cache))  # the weights are loaded
                 self.figures.record_switch("t2r", time.perf_counter() - t0)
             self.roles[i] = role
             self.timeline.switch(i, role)

@@ -243,7 +243,7 @@ class Engine:
         # and 'decode' {seconds, rows, steps, context_tokens} (benchmarks, calibration).
         self.on_timing: Callable[[str, dict], None] | None = None
         self.programs: Programs = programs_for(spec, cell)
-        self.state = gmesh.move(state, self.programs.state_sh)
+        self.weights = self._serving(state)
         self.version = version
         self._rids = itertools.count()
         self._clock = itertools.count()
@@ -254,7 +254,7 @@ class Engine:
         self.on_admit: Callable[[int], None] | None = None  # called with a rid at admission
         self.cache = None
         self.resume()
-        self.budget = pool_budget(r.kv_tokens, self.cache, self.state, cell.devices)
+        self.budget = pool_budget(r.kv_tokens, self.cache, self.weights, cell.devices)
 
     # ------------------------------------------------------------------ lifecycle and weights
 
@@ -276,16 +276,16 @@ class Engine:
         idle, zero = np.full(s, self.max_len, np.int32), np.zeros(s, np.int32)
         tokens = np.zeros((s, self.chunk), np.int32)
         self.cache, _, _ = self.programs.prefill(
-            self.state, self.cache, tokens, idle, zero, zero, *_identity([None] * s), s
+            self.weights, self.cache, tokens, idle, zero, zero, *_identity([None] * s), s
         )
         if self.decode_steps == 1:
             self.cache, _, _ = self.programs.decode(
-                self.state, self.cache, zero, idle, *_identity([None] * s)
+                self.weights, self.cache, zero, idle, *_identity([None] * s)
             )
         else:
             stops = np.full((s, MAX_STOP_TOKENS), -1, np.int32)
             self.cache, *_ = self.programs.decode_loop(
-                self.state, self.cache, zero, idle, zero, stops, *_identity([None] * s), False
+                self.weights, self.cache, zero, idle, zero, stops, *_identity([None] * s), False
             )
         self.cache = self.programs.copy_slot(self.cache, np.int32(0), np.int32(0))
 
@@ -305,7 +305,7 @@ class Engine:
         reusing it would make a later request's tokens depend on which weights served an
         unrelated earlier one. (Not evictions: every cell forgets them alike.)
         """
-        self.state = gmesh.move(state, self.programs.state_sh)
+        self.weights = self._serving(state)
         self.version = int(version)
         for slot in self.slots:
             slot.clean = 0  # K/V in the cache is the old weights'
@@ -313,6 +313,11 @@ class Engine:
                 slot.rewind(0)
                 slot.owner = None
         self.evicted.clear()
+
+    def _serving(self, state):
+        """The stacked parameter state -> the weights the programs read, in this cell's
+        rollout layout (one dict per layer: made here once, not in every decode dispatch)."""
+        return self.programs.serving_weights(gmesh.move(state, self.programs.state_sh))
 
     # ------------------------------------------------------------------ the KV pool
 
@@ -569,7 +574,7 @@ class Engine:
             pieces.append(piece)
         t0 = time.perf_counter()
         self.cache, tok_B, lp_B = self.programs.prefill(
-            self.state,
+            self.weights,
             self.cache,
             tokens_BxC,
             start_B,
@@ -621,7 +626,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.decode_steps == 1:
             self.cache, tok_S, lp_S = self.programs.decode(
-                self.state, self.cache, tokens_S, start_S, *_identity(lives)
+                self.weights, self.cache, tokens_S, start_S, *_identity(lives)
             )
             tok_NxS, lp_NxS, steps = np.asarray(tok_S)[None], np.asarray(lp_S)[None], 1
         else:
@@ -632,7 +637,7 @@ class Engine:
                 left_S[i] = lv.max_new - len(lv.tokens)
                 stop_SxK[i, : len(lv.request.stop_tokens)] = lv.request.stop_tokens
             self.cache, tok_NxS, lp_NxS, steps = self.programs.decode_loop(
-                self.state, self.cache, tokens_S, start_S, left_S, stop_SxK,
+                self.weights, self.cache, tokens_S, start_S, left_S, stop_SxK,
                 *_identity(lives), bool(self.queue),
             )  # fmt: skip
             tok_NxS, lp_NxS, steps = np.asarray(tok_NxS), np.asarray(lp_NxS), int(steps)

@@ -67,6 +67,12 @@ class Programs:
         }
         rows_axes = (None, "kv_heads", "length", "head_dim")
         self.state_sh = gdec.state_shardings(spec, cell, "rollout")
+        abstract_weights = jax.eval_shape(
+            lambda st: gdec.serving_weights(self.graphdef, st), abstract_state
+        )
+        self.weights_sh = gmesh.tree_shardings(
+            cell, "rollout", gdec.serving_logical_axes(spec), abstract_weights
+        )
         self.cache_sh = gmesh.tree_shardings(
             cell, "rollout", gdec.cache_logical_axes(n_layers), abstract_cache
         )
@@ -76,20 +82,20 @@ class Programs:
         vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
         base = sampler.base_key(r.seed)
         max_len = m
-        graphdef, top_p = self.graphdef, float(r.top_p)
+        top_p = float(r.top_p)
 
-        def prefill_row(layers, state, cache, tokens_1xC, start_1, slot_1, last_1, hash_1,
-                        call_1, temp_1):  # fmt: skip
+        def prefill_row(weights, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1,
+                        temp_1):  # fmt: skip
             pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-            hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_1xC, pos_1xC, cache, slot_1, start_1, layers
+            hidden, cache = gdec.forward_serving(
+                spec, weights, tokens_1xC, pos_1xC, cache, slot_1, start_1
             )
             h_1x1xD = jnp.take_along_axis(hidden, last_1[:, None, None], axis=1)
-            logits_1xV = gdec.apply_logits(graphdef, state, h_1x1xD)[:, 0]
+            logits_1xV = gdec.serving_logits(spec, weights, h_1x1xD)[:, 0]
             keys = sampler.token_keys(base, hash_1, call_1, start_1 + last_1 + 1)
             return (cache, *sampler.sample(logits_1xV, keys, temp_1, top_p))
 
-        def prefill(state, cache, tokens_SxC, start_S, slot_S, last_S, hash_S, call_S, temp_S,
+        def prefill(weights, cache, tokens_SxC, start_S, slot_S, last_S, hash_S, call_S, temp_S,
                     rows):  # fmt: skip
             """One chunk for each of the first ``rows`` rows (a slot each), in one dispatch.
 
@@ -102,34 +108,32 @@ class Programs:
                 i, cache, tok_S, lp_S = carry
                 row = lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1)  # noqa: E731
                 cache, tok_1, lp_1 = prefill_row(
-                    layers, state, cache, row(tokens_SxC), row(start_S), row(slot_S), row(last_S),
+                    weights, cache, row(tokens_SxC), row(start_S), row(slot_S), row(last_S),
                     row(hash_S), row(call_S), row(temp_S),
                 )  # fmt: skip
                 tok_S = jax.lax.dynamic_update_slice_in_dim(tok_S, tok_1, i, 0)
                 lp_S = jax.lax.dynamic_update_slice_in_dim(lp_S, lp_1, i, 0)
                 return i + 1, cache, tok_S, lp_S
 
-            layers = gdec.unstack_layers(graphdef, state)  # once, not once per row
             init = (jnp.int32(0), cache, jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.float32))
             _, cache, tok_S, lp_S = jax.lax.while_loop(lambda c: c[0] < rows, body, init)
             return cache, tok_S, lp_S
 
-        def decode_step(layers, state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+        def decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
             """One token for every slot; rows with start >= max_len write nowhere."""
-            hidden, cache = gdec.apply_cached(
-                graphdef, state, tokens_S[:, None], start_S[:, None], cache, None, start_S, layers
+            hidden, cache = gdec.forward_serving(
+                spec, weights, tokens_S[:, None], start_S[:, None], cache, None, start_S
             )
-            logits_SxV = gdec.apply_logits(graphdef, state, hidden)[:, 0]
+            logits_SxV = gdec.serving_logits(spec, weights, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
             return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
 
-        def decode(state, cache, tokens_S, start_S, hash_S, call_S, temp_S):
-            layers = gdec.unstack_layers(graphdef, state)
-            return decode_step(layers, state, cache, tokens_S, start_S, hash_S, call_S, temp_S)
+        def decode(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+            return decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S)
 
         n = r.decode_steps
 
-        def decode_loop(state, cache, tokens_S, start_S, left_S, stop_SxK, hash_S, call_S,
+        def decode_loop(weights, cache, tokens_S, start_S, left_S, stop_SxK, hash_S, call_S,
                         temp_S, exit_on_free):  # fmt: skip
             """Up to ``n`` decode steps on the device. A slot runs while ``left_S`` > 0 (its
             token budget; 0 = idle) and stops after sampling one of its stop ids. The loop
@@ -148,7 +152,7 @@ class Programs:
                 run_S = left_S > 0
                 write_S = jnp.where(run_S, pos_S, max_len)  # idle rows write past the cache
                 cache, new_S, lp_S = decode_step(
-                    layers, state, cache, tok_S, write_S, hash_S, call_S, temp_S
+                    weights, cache, tok_S, write_S, hash_S, call_S, temp_S
                 )
                 stopped_S = jnp.any(new_S[:, None] == stop_SxK, axis=1)
                 out_tok = out_tok.at[i].set(jnp.where(run_S, new_S, -1))
@@ -159,7 +163,6 @@ class Programs:
                 return i + 1, cache, tok_S, pos_S, left_S, out_tok, out_lp
 
             left0_S = left_S
-            layers = gdec.unstack_layers(graphdef, state)  # once per loop: steps read in place
             init = (jnp.int32(0), cache, tokens_S, start_S, left_S,
                     jnp.full((n, s), -1, jnp.int32), jnp.zeros((n, s), jnp.float32))  # fmt: skip
             steps, cache, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
@@ -187,7 +190,7 @@ class Programs:
         self.decode = jax.jit(
             decode,
             donate_argnums=1,
-            in_shardings=(self.state_sh, self.cache_sh, vec, vec, vec, vec, vec),
+            in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, vec, vec),
             out_shardings=(self.cache_sh, vec, vec),
         )
         mat = gmesh.sharding_for(cell, "rollout", (None, "batch"), (n, s), "rollout.slots")
@@ -196,9 +199,14 @@ class Programs:
         self.decode_loop = jax.jit(
             decode_loop,
             donate_argnums=1,
-            in_shardings=(self.state_sh, self.cache_sh, vec, vec, vec, stop_sh, vec, vec, vec, rep),
+            in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, stop_sh, vec, vec, vec, rep),
             out_shardings=(self.cache_sh, mat, mat, rep),
         )
+        # The stacked parameter state (in its rollout layout) -> the weights the programs read.
+        self.serving_weights = jax.jit(
+            functools.partial(gdec.serving_weights, self.graphdef),
+            in_shardings=(self.state_sh,), out_shardings=self.weights_sh,
+        )  # fmt: skip
         self.copy_slot = jax.jit(copy_slot, donate_argnums=0, out_shardings=self.cache_sh)
         self.read_rows = jax.jit(read_rows, out_shardings=self.rows_sh)
         self.write_rows = jax.jit(write_rows, donate_argnums=0, out_shardings=self.cache_sh)
