@@ -45,7 +45,8 @@ from gyre.rollout.engine import Engine
 from gyre.rollout.types import GenerateRequest
 
 # --model peer: the Qwen3 of benchmarks/vs_tunix.py (5.25M parameters, 21 MB of float32
-# weights: more than a CPU cache holds, so the bound is the memory bandwidth's, not a cache's)
+# weights: more than a core's L2 holds; the bound uses the copy bandwidth measured in the same
+# process, whatever level of the memory hierarchy serves it)
 MODELS = {
     "tiny": dict(vocab_size=512, d_model=128, num_layers=2, d_ff=512, num_heads=4,
                  num_kv_heads=2, head_dim=32),

@@ -191,6 +191,26 @@ def test_cached_attention_decode_and_prefill():
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("b", [1, 3])  # one row attends by sums, more rows by dots
+def test_one_query_decode_matches_the_loop_reference(b):
+    m = 24
+    q, _, _, _ = random_qkv(11, b=b, t=1)
+    k_cache, v_cache = (
+        jax.random.normal(key, (b, m, KVH, DH)) for key in jax.random.split(jax.random.key(12))
+    )
+    # Row 0 decodes at 9 (entries past it hold garbage); rows 1 and 2: at 0 (sees only entry
+    # 0) and an idle row aimed past the cache (pos = kv_len - 1 = m), which sees every entry.
+    pos = jnp.array([9, 0, m][:b], jnp.int32)[:, None]
+    kv_len = pos[:, 0] + 1
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    out = jax.jit(attention.cached_attention)(
+        q, heads_first(k_cache), heads_first(v_cache), pos, kv_len
+    )
+    ref = naive_cached(*(np.asarray(x) for x in (q, k_cache, v_cache, pos, kv_len)))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
 def test_cached_attention_equals_causal_tree_attention():
     q, k, v, _ = random_qkv(8)
     positions = jnp.broadcast_to(jnp.arange(T), (2, T))
