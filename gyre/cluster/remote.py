@@ -69,7 +69,8 @@ def _actor_class(ray):
     class CellActor:
         """A Ray actor holding one CellWorker (gyre/cluster/worker.py)."""
 
-        def __init__(self, specs, workdir: str, actor: int, devices: int, cache_dir: str):
+        def __init__(self, specs, workdir: str, actor: int, devices: int, cache_dir: str,
+                     make_trainer):  # fmt: skip
             jax.config.update("jax_num_cpu_devices", devices)  # CPU only; before any backend
             import warnings
 
@@ -80,7 +81,8 @@ def _actor_class(ray):
                 enable_compilation_cache(cache_dir)
             from gyre.cluster.worker import CellWorker
 
-            self.worker = CellWorker(specs, workdir, actor, ray.util.get_node_ip_address())
+            self.worker = CellWorker(specs, workdir, actor, ray.util.get_node_ip_address(),
+                                     make_trainer)  # fmt: skip
             self.platform = jax.devices()[0].platform
 
         def call(self, method: str, *args):
@@ -98,9 +100,10 @@ def actor_name(actor: int) -> str:
 
 
 class RayCluster:
-    """The actors of one run and the driver's side of every call to them."""
+    """The actors of one run and the driver's side of every call to them. ``make_trainer``:
+    how actor 0 builds the trainer (:class:`~gyre.cluster.worker.CellWorker`)."""
 
-    def __init__(self, specs, workdir: str):
+    def __init__(self, specs, workdir: str, make_trainer):
         ray = self.ray = _ray()
         cl = self.spec = specs.cluster
         self.timeout = cl.transfer_timeout_s
@@ -115,7 +118,8 @@ class RayCluster:
         cache = jax.config.jax_compilation_cache_dir or ""
         cls = _actor_class(ray)
         self.actors = [cls.options(name=actor_name(a), max_restarts=0, **opts)
-                       .remote(specs, workdir, a, devices, cache) for a in range(cl.actors)]  # fmt: skip
+                       .remote(specs, workdir, a, devices, cache, make_trainer if a == 0 else None)
+                       for a in range(cl.actors)]  # fmt: skip
         self.dead: set[int] = set()  # actor indices
         self.moves = collections.Counter()  # cross-process moves the driver ordered, by kind
         infos = [self.get(a.info.remote(), 0) for a in self.actors]  # waits for every actor
@@ -425,28 +429,3 @@ class RemoteTrainer:
 
     def save(self, checkpointer, metadata: dict | None = None, wait: bool = False) -> None:
         self.cluster.call(0, "save", metadata or {}, self.microbatches_done, wait)
-
-
-def build_ray_runtime(specs, workdir: str):
-    """The runtime of ``specs`` over Ray actors (see the module docstring)."""
-    from gyre.model import decoder
-    from gyre.rl.builder import Runtime, environment
-    from gyre.rollout.proxy import Proxy
-    from gyre.train.checkpoint import Checkpointer
-
-    env = environment(specs)
-    cluster = RayCluster(specs, workdir)
-    try:
-        trainer = RemoteTrainer(cluster)
-        cells = [RemoteCell(i, specs.mesh.cell_size, cluster.platform)
-                 for i in range(specs.cluster.num_cells)]  # fmt: skip
-        engines = [RemoteEngine(cluster, c, specs.rollout, trainer.version) for c in cells]
-    except BaseException:
-        cluster.close()
-        raise
-    proxy = Proxy(engines)
-    proxy.latest_weights = (trainer.params, trainer.version)
-    graphdef, _ = decoder.abstract_model(specs.model, specs.seed)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
-    return Runtime(specs, workdir, cells, env, graphdef, trainer, ckpt, proxy, trainer.resumed,
-                   cluster)  # fmt: skip

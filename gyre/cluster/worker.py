@@ -53,14 +53,16 @@ class Offer:
 class CellWorker:
     """The cells ``specs.cluster.cells_of(actor)`` on this process's first devices.
 
-    Actor 0 also builds the trainer: restored from ``<workdir>/checkpoints`` when one exists,
-    else the initial weights (``model.hf_dir`` or the seed), exactly as the in-process
-    builder does (gyre/rl/builder.py, :func:`initial_trainer`).
+    Actor 0 also builds the trainer with ``make_trainer(specs, cells, graphdef, checkpointer)
+    -> (trainer, resumed)``: the builder passes its own (gyre/rl/builder.py,
+    ``initial_trainer``: restored from ``<workdir>/checkpoints`` when one exists, else the
+    initial weights), so an actor's trainer is made exactly as the in-process one.
     """
 
-    def __init__(self, specs, workdir: str, actor: int, host: str = "127.0.0.1"):
-        from gyre.rl.builder import initial_trainer  # the builder imports this package's spec
-
+    def __init__(self, specs, workdir: str, actor: int, host: str = "127.0.0.1",
+                 make_trainer=None):  # fmt: skip
+        if actor == 0 and make_trainer is None:
+            raise ValueError("actor 0 holds the core cell: it needs make_trainer")
         self.specs, self.actor = specs, actor
         indices = specs.cluster.cells_of(actor)
         size = specs.mesh.cell_size
@@ -81,7 +83,7 @@ class CellWorker:
         if actor == 0:
             self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                              specs.run.keep_checkpoints)  # fmt: skip
-            self.trainer, self.resumed = initial_trainer(
+            self.trainer, self.resumed = make_trainer(
                 specs, [self.cells[i] for i in indices], self.graphdef, self.checkpointer
             )
 

@@ -321,21 +321,41 @@ def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
     """Cells, environment, weights (``params``, a checkpoint in the workdir, or a fresh init
     from the seed), trainer, one rollout engine per cell and the proxy over them. With
     ``cluster.backend=ray`` the cells, trainer and engines live in Ray actors
-    (gyre/cluster/remote.py) and the runtime holds their handles."""
-    if specs.cluster.backend == "ray":
-        from gyre.cluster.remote import build_ray_runtime
-
-        return build_ray_runtime(specs, workdir)
-    cells = mesh.cells_for(specs.mesh)
+    (gyre/cluster/remote.py; ``params`` is not used there) and the runtime holds their
+    handles."""
     env = environment(specs)
     graphdef, _ = decoder.abstract_model(specs.model, specs.seed)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), specs.run.keep_checkpoints)
-    if params is not None and ckpt.latest_step() is None:
-        trainer, resumed = Trainer(specs.trainer, cells, graphdef, params), False
+    cluster = None
+    if specs.cluster.backend == "ray":
+        cluster, cells, trainer, engines = _ray_parts(specs, workdir)
+        resumed = trainer.resumed
     else:
-        trainer, resumed = initial_trainer(specs, cells, graphdef, ckpt)
-    engines = [Engine(specs.rollout, cell, trainer.params_for(cell, "rollout"), trainer.version)
-               for cell in cells]  # fmt: skip
+        cells = mesh.cells_for(specs.mesh)
+        if params is not None and ckpt.latest_step() is None:
+            trainer, resumed = Trainer(specs.trainer, cells, graphdef, params), False
+        else:
+            trainer, resumed = initial_trainer(specs, cells, graphdef, ckpt)
+        engines = [Engine(specs.rollout, cell, trainer.params_for(cell, "rollout"),
+                          trainer.version) for cell in cells]  # fmt: skip
     proxy = Proxy(engines)
     proxy.latest_weights = (trainer.params, trainer.version)
-    return Runtime(specs, workdir, cells, env, graphdef, trainer, ckpt, proxy, resumed)
+    return Runtime(specs, workdir, cells, env, graphdef, trainer, ckpt, proxy, resumed, cluster)
+
+
+def _ray_parts(specs: Specs, workdir: str):
+    """The Ray actors of ``specs`` and the handles standing for their cells, trainer and
+    engines -> (cluster, cells, trainer, engines); actor 0 builds its trainer with
+    :func:`initial_trainer`, as the in-process run does."""
+    from gyre.cluster.remote import RayCluster, RemoteCell, RemoteEngine, RemoteTrainer
+
+    cluster = RayCluster(specs, workdir, initial_trainer)
+    try:
+        trainer = RemoteTrainer(cluster)
+        cells = [RemoteCell(i, specs.mesh.cell_size, cluster.platform)
+                 for i in range(specs.cluster.num_cells)]  # fmt: skip
+        engines = [RemoteEngine(cluster, c, specs.rollout, trainer.version) for c in cells]
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster, cells, trainer, engines
