@@ -315,12 +315,12 @@ def _decode_attention(q, k_cache, v_cache, q_pos_B, kv_len_B):
     """cached_attention for one query per row (T = 1), without a query-length axis: the
     scores are [B, KVH, G, M] with positions minor, so neither contraction transposes the
     probabilities (with a T axis XLA:CPU copied them into the dot's layout, every layer
-    and step: 1.2-1.6x slower decode at batch 8 and 32, benchmarks/vs_tunix.py).
+    and step: a 1.2x slower decode loop at batch 8 and 32).
 
     A single row contracts by multiply-and-sum instead of dots: with B = 1 XLA:CPU drops the
     unit axis from the dot's operand, fuses that reshape into the cache write, duplicates
-    the write and copies every layer's cache four times a step (13-18% slower decode at
-    batch 1); a sum reads the written cache in place. At B > 1 the dots are 5-7% faster."""
+    the write and copies every layer's cache four times a step (a 13-25% slower decode loop
+    at batch 1); a sum reads the written cache in place. At B > 1 the dots are 0-7% faster."""
     b, _, h, d = q.shape
     kvh, m = k_cache.shape[1], k_cache.shape[2]
     q_BxKxGxD = q.reshape(b, kvh, h // kvh, d)

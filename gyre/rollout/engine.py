@@ -86,7 +86,7 @@ def _shard_bytes(x) -> int:
     return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
-def pool_budget(kv_tokens: int, cache, state, devices) -> int:
+def pool_budget(kv_tokens: int, cache, weights, devices) -> int:
     """A cell's KV budget in tokens, at most ``slots * max_len`` (what the cache holds).
 
     ``kv_tokens`` > 0: that many. 0: where every device reports its memory
@@ -105,8 +105,8 @@ def pool_budget(kv_tokens: int, cache, state, devices) -> int:
         return physical
     shard = k[0].sharding.shard_shape(k[0].shape)
     per_token = 2 * sum(map(_shard_bytes, k)) // (shard[0] * shard[2])  # k, v of every layer
-    weights = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
-    per_device = kv_budget_tokens(min(limits), weights, KV_RESERVE * min(limits), per_token)
+    weight_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(weights))
+    per_device = kv_budget_tokens(min(limits), weight_bytes, KV_RESERVE * min(limits), per_token)
     return min(physical, per_device * (slots // shard[0]))
 
 

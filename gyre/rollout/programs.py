@@ -128,9 +128,6 @@ class Programs:
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
             return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
 
-        def decode(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
-            return decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S)
-
         n = r.decode_steps
 
         def decode_loop(weights, cache, tokens_S, start_S, left_S, stop_SxK, hash_S, call_S,
@@ -188,7 +185,7 @@ class Programs:
         out = (self.cache_sh, rep, rep)
         self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out)
         self.decode = jax.jit(
-            decode,
+            decode_step,
             donate_argnums=1,
             in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, vec, vec),
             out_shardings=(self.cache_sh, vec, vec),
