@@ -3,7 +3,8 @@
 --kill_after_microbatches=N --kill_signal=KILL|INT|TERM   the run signals itself after N
     micro-batches (a kill, Ctrl-C or a scheduler's preemption at a point inside a step);
 --nan_at_step=N         the first micro-batch gradient of optimizer step N (0-based) is NaN;
---hang_tools            every ledger tool call hangs forever (the watchdog's case).
+--hang_tools            every model call parses as a ledger tool call, which hangs forever (the
+                        watchdog's case; the parse is forced so an untrained model hangs too).
 
 Used by tests/test_controller.py and tests/test_faults.py; takes launch.py's flags too.
 """
@@ -22,7 +23,7 @@ import launch  # noqa: E402  (defines --config and --workdir)
 _KILL_AFTER = flags.DEFINE_integer("kill_after_microbatches", 0, "signal after N micro-batches")
 _SIGNAL = flags.DEFINE_enum("kill_signal", "KILL", ["KILL", "INT", "TERM"], "which signal")
 _NAN_AT = flags.DEFINE_integer("nan_at_step", -1, "make step N's first gradient NaN")
-_HANG = flags.DEFINE_bool("hang_tools", False, "every ledger tool call hangs forever")
+_HANG = flags.DEFINE_bool("hang_tools", False, "every model call is a tool call that hangs forever")
 
 
 def _inject_nan(at: int) -> None:
@@ -45,12 +46,16 @@ def _inject_nan(at: int) -> None:
 
 
 def _hang_tools() -> None:
+    from gyre.envs.base import ToolCall
     from gyre.envs.ledger import LedgerEnv
+
+    def parse(self, completion, role):
+        return ToolCall("commit", (1, 0))
 
     async def step(self, state, call, role):
         await asyncio.Event().wait()
 
-    LedgerEnv.step = step
+    LedgerEnv.parse, LedgerEnv.step = parse, step
 
 
 def main(argv):
