@@ -317,6 +317,35 @@ def compare(tunix, folder, cfg, cell, batch, prompt_len, new, runs, decode_steps
     }
 
 
+def matvec_floor(m, runs: int, tokens: int = 128) -> float:
+    """tok/s of batch-1 decode if it were only the weight matrix-vector products of model
+    config ``m`` (all layers and the head, float32, one jitted loop of ``tokens`` steps)."""
+    d, qd, kvd, f = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.d_ff
+    shapes = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, f), (d, f), (f, d)] * m.num_layers
+    rng = np.random.default_rng(0)
+    ws = [jax.numpy.asarray(rng.normal(0, d**-0.5, s), np.float32) for s in shapes]
+    head = jax.numpy.asarray(rng.normal(0, d**-0.5, (d, m.vocab_size)), np.float32)
+
+    def token(_, x_1xD):
+        for i in range(0, len(ws), 7):
+            wq, wk, wv, wo, wg, wu, wd = ws[i : i + 7]
+            kv = (x_1xD @ wk + x_1xD @ wv).sum() * 1e-6  # keeps k and v live
+            x_1xD = x_1xD + (x_1xD @ wq + kv) @ wo
+            x_1xD = x_1xD + (jax.nn.silu(x_1xD @ wg) * (x_1xD @ wu)) @ wd
+            x_1xD = x_1xD / (1.0 + jax.numpy.abs(x_1xD).max())  # bounded: no inf over steps
+        return x_1xD + (x_1xD @ head).max() * 1e-6
+
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, tokens, token, x))
+    x = jax.numpy.ones((1, d), np.float32)
+    loop(x).block_until_ready()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        loop(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return tokens / statistics.median(times)
+
+
 def table(rows: list[dict]) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     head = (f"{'batch':>5} {'prompt':>6} {'gyre tok/s':>10} {'tunix tok/s':>11} {'ratio':>6} "
@@ -353,6 +382,7 @@ def main(argv=None) -> dict:
             for b in args.batches
         ]
     m = cfg.model
+    floor = matvec_floor(m, args.runs)
     figures = {
         "benchmark": "vs_tunix",
         "device": f"{jax.devices()[0].platform} x1",
@@ -364,6 +394,7 @@ def main(argv=None) -> dict:
         "greedy": True,
         "gyre_decode_steps": rows[0]["gyre_decode_steps"],
         "min_match": min(r["match"] for r in rows),
+        "batch1_matvec_floor_tok_s": round(floor, 1),
         "rows": rows,
     }
     print(
@@ -376,6 +407,13 @@ def main(argv=None) -> dict:
     print(table(rows))
     print(f"greedy match (leading identical tokens, min over rows): {figures['min_match']}"
           f" of {args.new}")  # fmt: skip
+    ones = ", ".join(
+        f"prompt {r['prompt']}: Gyre {r['gyre_decode_tok_s'] / floor:.2f}, Tunix "
+        f"{r['tunix_decode_tok_s'] / floor:.2f}"
+        for r in rows if r["batch"] == 1 and r["gyre_decode_tok_s"] and r["tunix_decode_tok_s"]
+    )  # fmt: skip
+    print(f"batch-1 floor (the weight matrix-vector products alone): {floor:.0f} tok/s"
+          + (f"; batch-1 decode as a fraction of it: {ones}" if ones else ""))  # fmt: skip
     print(json.dumps(figures))
     return figures
 

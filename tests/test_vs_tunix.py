@@ -146,3 +146,9 @@ def test_match_length_is_the_first_difference_of_the_worst_row(data):
     assert vs_tunix.match_length(a, a) == n
     with pytest.raises(ValueError, match="shape"):
         vs_tunix.match_length(a, a[:, :-1] if n else np.zeros((b, 1)))
+
+
+def test_the_batch_one_floor_times_every_weight_matrix_of_the_model():
+    m = vs_tunix.base_config(quick=True).model
+    floor = vs_tunix.matvec_floor(m, runs=1, tokens=4)
+    assert np.isfinite(floor) and floor > 0
