@@ -317,14 +317,22 @@ def compare(tunix, folder, cfg, cell, batch, prompt_len, new, runs, decode_steps
     }
 
 
+def matvec_shapes(m) -> list[tuple[int, int]]:
+    """[in, out] of every weight matrix a batch-1 decode token multiplies by (model config
+    ``m``): per layer q, k, v, o, gate, up, down, then the head."""
+    d, qd, kvd, f = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.d_ff
+    layer = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, f), (d, f), (f, d)]
+    return layer * m.num_layers + [(d, m.vocab_size)]
+
+
 def matvec_floor(m, runs: int, tokens: int = 128) -> float:
     """tok/s of batch-1 decode if it were only the weight matrix-vector products of model
-    config ``m`` (all layers and the head, float32, one jitted loop of ``tokens`` steps)."""
-    d, qd, kvd, f = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.d_ff
-    shapes = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, f), (d, f), (f, d)] * m.num_layers
+    config ``m`` (:func:`matvec_shapes`, float32, one jitted loop of ``tokens`` steps)."""
+    *shapes, head_shape = matvec_shapes(m)
+    d = m.d_model
     rng = np.random.default_rng(0)
     ws = [jax.numpy.asarray(rng.normal(0, d**-0.5, s), np.float32) for s in shapes]
-    head = jax.numpy.asarray(rng.normal(0, d**-0.5, (d, m.vocab_size)), np.float32)
+    head = jax.numpy.asarray(rng.normal(0, d**-0.5, head_shape), np.float32)
 
     def token(_, x_1xD):
         for i in range(0, len(ws), 7):

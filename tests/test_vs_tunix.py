@@ -2,6 +2,7 @@
 after Tunix's import flips flax's ``flax_always_shard_variable`` (issue 17 part 6)."""
 
 import json
+import math
 import sys
 
 import flax
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from benchmarks import vs_tunix
 from gyre import mesh as gmesh
+from gyre.model import decoder as gdec
 from gyre.model import hf as ghf
 from gyre.rl.builder import build_specs
 
@@ -148,7 +150,15 @@ def test_match_length_is_the_first_difference_of_the_worst_row(data):
         vs_tunix.match_length(a, a[:, :-1] if n else np.zeros((b, 1)))
 
 
-def test_the_batch_one_floor_times_every_weight_matrix_of_the_model():
-    m = vs_tunix.base_config(quick=True).model
+def test_the_batch_one_floor_multiplies_by_every_weight_matrix_of_the_model():
+    cfg = vs_tunix.base_config(quick=True)
+    m = cfg.model
+    _, state = gdec.abstract_model(build_specs(cfg).model)
+    want = [math.prod(state["layers"][k].shape) for k in ("q", "k", "v", "o", "gate", "up", "down")]
+    want += [math.prod(state["embed"].shape)]  # the head: [V, D] tied or [D, V]
+    got = [math.prod(s) for s in vs_tunix.matvec_shapes(m)]
+    # every layer's matrices (the stacked [L, ...] parameters hold all layers) and the head
+    layers = [sum(got[i::7][: m.num_layers]) for i in range(7)]
+    assert layers + [got[-1]] == want and len(got) == 7 * m.num_layers + 1
     floor = vs_tunix.matvec_floor(m, runs=1, tokens=4)
     assert np.isfinite(floor) and floor > 0
