@@ -17,7 +17,7 @@ import ml_collections
 from gyre.elastic.policy import POLICIES
 from gyre.envs.registry import ENVIRONMENTS
 from gyre.errors import ConfigError
-from gyre.rollout.types import HANDOVERS
+from gyre.rollout.types import CPU_VECTOR_WIDTHS, HANDOVERS
 from gyre.trajectory.advantages import LOSS_MODES, REWARDS
 from gyre.trajectory.batch import PACKINGS
 
@@ -99,6 +99,12 @@ def default_config() -> ml_collections.ConfigDict:
     # and leave slots, weights change and migrations happen between loops. 1 = one token
     # per dispatch (gyre/rollout/programs.py).
     c.rollout.decode_steps = 16
+    # Preferred SIMD width in bits of the code XLA:CPU emits for the serving programs: -1 =
+    # auto (512 for a one-slot cell, whose decode dots are matrix-vector products XLA emits
+    # itself: 1.2-1.4x faster with 512-bit vectors on an AVX-512 host; XLA's default
+    # otherwise, where dots go to library kernels and the width changed nothing measured);
+    # 0 = XLA's default; 128, 256 or 512 = that width for every cell. Accelerators ignore it.
+    c.rollout.cpu_vector_width = -1
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.max_new_tokens = 32
@@ -232,7 +238,7 @@ BOUNDS: dict[str, Bound] = {
     "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(1), "train.max_bad_steps": _ge(0),
     "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
-    "rollout.decode_steps": _ge(1),
+    "rollout.decode_steps": _ge(1), "rollout.cpu_vector_width": Bound(-1, 512),
     "rollout.temperature": _ge(0), "rollout.top_p": UNIT_OPEN_LO, "rollout.max_new_tokens": _ge(1),
     "rollout.kv_tokens": _ge(0),
     "agent.max_calls": _ge(1), "agent.max_tokens": _ge(1), "agent.max_seconds": _gt(0),
@@ -300,6 +306,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "model.attention", ("block_sparse", "dense"))
     _check_choice(cfg, "cluster.backend", ("local", "ray"))
     _check_choice(cfg, "model.dtype", ("float32", "bfloat16"))
+    _check_choice(cfg, "rollout.cpu_vector_width", CPU_VECTOR_WIDTHS)
     # Checks that need one part's settings only live in that part's spec (ModelSpec,
     # TrajectorySpec, TrainerSpec, ...) and in mesh.make_cells: the builder turns their errors
     # into ConfigErrors. Checked here: what crosses two sections.

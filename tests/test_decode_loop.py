@@ -4,12 +4,16 @@ the number of live requests changes; the loop's idle slot-steps are counted exac
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from rollout_world import CELLS, SPEC, STATE
+from test_engine import reference_logprobs
 
 from benchmarks.switch import CompileCounter
+from gyre import mesh as gmesh
 from gyre.rollout.engine import Engine
+from gyre.rollout.programs import RolloutSpec, compiler_options, programs_for
 from gyre.rollout.types import GenerateRequest
 
 
@@ -153,3 +157,47 @@ def test_too_many_stop_tokens_is_refused_by_name():
     engine = Engine(SPEC, CELLS[0], STATE)
     with pytest.raises(ValueError, match="9 stop tokens, at most 8"):
         engine.submit(request("x", prompt(1, 4), 3, stop=tuple(range(9))))
+
+
+WIDE = {"xla_cpu_prefer_vector_width": 512}
+
+
+@pytest.mark.parametrize(
+    "width,slots,platform,want",
+    [
+        (-1, 1, "cpu", WIDE),  # auto: one slot's decode dots are matrix-vector products
+        (-1, 4, "cpu", {}),  # auto: library kernels from two rows on, XLA's default
+        (0, 1, "cpu", {}),
+        (256, 4, "cpu", {"xla_cpu_prefer_vector_width": 256}),
+        (512, 1, "gpu", {}),  # accelerators get no CPU options
+    ],
+)
+def test_compiler_options_follow_the_vector_width_setting(width, slots, platform, want):
+    spec = dataclasses.replace(SPEC, slots=slots, cpu_vector_width=width)
+    assert compiler_options(spec, platform) == want
+
+
+def test_a_vector_width_xla_does_not_know_is_refused_by_name():
+    with pytest.raises(ValueError, match="rollout.cpu_vector_width"):
+        dataclasses.replace(SPEC, cpu_vector_width=384)
+    assert RolloutSpec(SPEC.model).cpu_vector_width == -1
+
+
+def test_one_slot_cell_decodes_with_wide_vectors_exactly():
+    # One slot (auto: 512-bit vectors) against XLA's default width and the full forward: the
+    # width may reorder float sums, never change what is computed.
+    (cell,) = gmesh.make_cells(1, devices=jax.devices()[:1])
+    spec = dataclasses.replace(SPEC, slots=1, decode_steps=8)
+    assert programs_for(spec, cell).compiler_options == WIDE
+    reqs = [request(f"w{i}", prompt(40 + i, 5 + 6 * i), 14, t) for i, t in enumerate((0.0, 1.0))]
+    outs = {}
+    for width in (-1, 0):
+        engine = Engine(dataclasses.replace(spec, cpu_vector_width=width), cell, STATE)
+        rids = [engine.submit(r) for r in reqs]
+        done = engine.run_until_done()
+        outs[width] = [done[r] for r in rids]
+    for req, wide, plain in zip(reqs, outs[-1], outs[0]):
+        np.testing.assert_array_equal(wide.tokens, plain.tokens)
+        np.testing.assert_allclose(wide.logprobs, plain.logprobs, atol=1e-5)
+        np.testing.assert_allclose(wide.logprobs, reference_logprobs(req, wide.tokens), atol=1e-4)
+        assert wide.tokens.size == 14

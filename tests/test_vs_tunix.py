@@ -160,5 +160,6 @@ def test_the_batch_one_floor_multiplies_by_every_weight_matrix_of_the_model():
     # every layer's matrices (the stacked [L, ...] parameters hold all layers) and the head
     layers = [sum(got[i::7][: m.num_layers]) for i in range(7)]
     assert layers + [got[-1]] == want and len(got) == 7 * m.num_layers + 1
-    floor = vs_tunix.matvec_floor(m, runs=1, tokens=4)
-    assert np.isfinite(floor) and floor > 0
+    for options in ({}, {"xla_cpu_prefer_vector_width": 512}):  # XLA's and Gyre's one-slot
+        floor = vs_tunix.matvec_floor(m, runs=1, tokens=4, options=options)
+        assert np.isfinite(floor) and floor > 0

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gyre import mesh as gmesh
 from gyre.model import decoder as gdec
 from gyre.rollout import sampler
+from gyre.rollout.types import CPU_VECTOR_WIDTHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,9 @@ class RolloutSpec:
     # on CPU, device memory minus weights minus a reserve where the platform reports memory.
     # Not a shape: the programs ignore it (programs_for drops it from the jit cache key).
     kv_tokens: int = 0
+    # SIMD width XLA:CPU's emitted code prefers in these programs (:func:`compiler_options`):
+    # -1 auto, 0 XLA's default, else 128/256/512 bits. Accelerators ignore it.
+    cpu_vector_width: int = -1
 
     def __post_init__(self):
         for name in ("slots", "max_len", "prefill_chunk", "decode_steps"):
@@ -47,6 +51,29 @@ class RolloutSpec:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens < 0:
             raise ValueError(f"rollout.kv_tokens must be >= 0, got {self.kv_tokens}")
+        if self.cpu_vector_width not in CPU_VECTOR_WIDTHS:
+            raise ValueError(
+                f"rollout.cpu_vector_width must be one of {CPU_VECTOR_WIDTHS}, "
+                f"got {self.cpu_vector_width}"
+            )
+
+
+def compiler_options(r: RolloutSpec, platform: str) -> dict:
+    """XLA options of the prefill and decode programs of a cell on ``platform``.
+
+    On CPU, ``r.cpu_vector_width`` sets the SIMD width XLA prefers in the code it emits
+    (fusions, and the dots of a one-row batch, which XLA emits as matrix-vector loops of its
+    own; from two rows on, dots run in library kernels the option does not reach). Auto (-1)
+    asks for 512 bits when the cell has one slot: the batch-1 decode loop is those
+    matrix-vector products, which run 1.2-1.4x faster with 512-bit vectors on an AVX-512 host
+    (benchmarks/vs_tunix.py, BENCHMARKS.md); a host without AVX-512 keeps its own width.
+    Other platforms get no options."""
+    width = r.cpu_vector_width
+    if width == -1:
+        width = 512 if r.slots == 1 else 0
+    if platform != "cpu" or width == 0:
+        return {}
+    return {"xla_cpu_prefer_vector_width": width}
 
 
 # Stop ids a request may give (the decode loop checks them on the device, padded with -1).
@@ -183,10 +210,14 @@ class Programs:
             return jax.tree.map(write, cache, rows)
 
         out = (self.cache_sh, rep, rep)
-        self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out)
+        self.compiler_options = compiler_options(r, cell.devices[0].platform)
+        opts = self.compiler_options
+        self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out,
+                               compiler_options=opts)  # fmt: skip
         self.decode = jax.jit(
             decode_step,
             donate_argnums=1,
+            compiler_options=opts,
             in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, vec, vec),
             out_shardings=(self.cache_sh, vec, vec),
         )
@@ -196,6 +227,7 @@ class Programs:
         self.decode_loop = jax.jit(
             decode_loop,
             donate_argnums=1,
+            compiler_options=opts,
             in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, stop_sh, vec, vec, vec, rep),
             out_shardings=(self.cache_sh, mat, mat, rep),
         )

@@ -9,6 +9,8 @@ import numpy as np
 
 # How live requests of a cell leaving rollout are handed over (gyre/rollout/proxy.py).
 HANDOVERS = ("migrate", "retry")
+# rollout.cpu_vector_width: -1 auto, 0 XLA's default, else bits (gyre/rollout/programs.py).
+CPU_VECTOR_WIDTHS = (-1, 0, 128, 256, 512)
 
 
 @dataclasses.dataclass(frozen=True)
