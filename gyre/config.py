@@ -101,7 +101,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.decode_steps = 16
     # Preferred SIMD width in bits of the code XLA:CPU emits for the serving programs: -1 =
     # auto (512 for a one-slot cell, whose decode dots are matrix-vector products XLA emits
-    # itself: 1.2-1.4x faster with 512-bit vectors on an AVX-512 host; XLA's default
+    # itself: 1.2-1.5x faster with 512-bit vectors on an AVX-512 host; XLA's default
     # otherwise, where dots go to library kernels and the width changed nothing measured);
     # 0 = XLA's default; 128, 256 or 512 = that width for every cell. Accelerators ignore it.
     c.rollout.cpu_vector_width = -1

@@ -65,7 +65,7 @@ def compiler_options(r: RolloutSpec, platform: str) -> dict:
     (fusions, and the dots of a one-row batch, which XLA emits as matrix-vector loops of its
     own; from two rows on, dots run in library kernels the option does not reach). Auto (-1)
     asks for 512 bits when the cell has one slot: the batch-1 decode loop is those
-    matrix-vector products, which run 1.2-1.4x faster with 512-bit vectors on an AVX-512 host
+    matrix-vector products, which run 1.2-1.5x faster with 512-bit vectors on an AVX-512 host
     (benchmarks/vs_tunix.py, BENCHMARKS.md); a host without AVX-512 keeps its own width.
     Other platforms get no options."""
     width = r.cpu_vector_width
