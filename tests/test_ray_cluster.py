@@ -74,8 +74,8 @@ def _same_run(shared, got):
     assert [[r[k] for k in keys] for r in got_rows] == [[r[k] for k in keys] for r in ref_rows]
     # The gradient to float precision, not bit for bit: once a cell is lost, the rest of the
     # run serves and trains on fewer cells, and its sums may round differently in the last
-    # bits (seen: grad_norm 4e-7 relative, final weights 1.7e-7, in about half the runs of
-    # the serving kill). A micro-batch lost or trained twice moves it by far more.
+    # bits (seen: grad_norm 4e-7 relative, final weights 1.7e-7, in 4 of 6 runs of the
+    # serving kill). A micro-batch lost or trained twice moves it by far more.
     np.testing.assert_allclose([r["grad_norm"] for r in got_rows],
                                [r["grad_norm"] for r in ref_rows], rtol=1e-5)  # fmt: skip
     v_ref, want = _params(shared, ref)

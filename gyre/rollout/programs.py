@@ -66,8 +66,8 @@ def compiler_options(r: RolloutSpec, platform: str) -> dict:
     own; from two rows on, dots run in library kernels the option does not reach). Auto (-1)
     asks for 512 bits when the cell has one slot: the batch-1 decode loop is those
     matrix-vector products, which run 1.2-1.5x faster with 512-bit vectors on an AVX-512 host
-    (benchmarks/vs_tunix.py, BENCHMARKS.md); a host without AVX-512 keeps its own width.
-    Other platforms get no options."""
+    (benchmarks/vs_tunix.py, BENCHMARKS.md; only an AVX-512 host was measured). Other
+    platforms get no options."""
     width = r.cpu_vector_width
     if width == -1:
         width = 512 if r.slots == 1 else 0
@@ -210,8 +210,7 @@ class Programs:
             return jax.tree.map(write, cache, rows)
 
         out = (self.cache_sh, rep, rep)
-        self.compiler_options = compiler_options(r, cell.devices[0].platform)
-        opts = self.compiler_options
+        self.compiler_options = opts = compiler_options(r, cell.devices[0].platform)
         self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out,
                                compiler_options=opts)  # fmt: skip
         self.decode = jax.jit(
