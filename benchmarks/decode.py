@@ -42,6 +42,7 @@ from gyre.elastic import calibration
 from gyre.model import decoder as gdec
 from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
+from gyre.rollout.programs import kv_block_for
 from gyre.rollout.types import GenerateRequest
 
 # --model peer: the Qwen3 of benchmarks/vs_tunix.py (5.25M parameters, 21 MB of float32
@@ -310,13 +311,23 @@ def print_load(rows, report, setting, shape_check) -> None:
         f"of the step at batch {max(batches)}, context term {f['per_ctx_share']:.1%} of the "
         "step at the longest contexts"
     )
+    if setting["kv_block"]:
+        attention_text = (
+            f"its attention (gyre/model/attention.py live_decode_attention) reads every slot's "
+            f"cache in blocks of {setting['kv_block']} up to the longest live context, so a step "
+            "costs what the longest context needs for every slot, not the sum of the contexts"
+        )
+    else:
+        attention_text = (
+            f"its attention (gyre/model/attention.py cached_attention) is dense over all "
+            f"{setting['max_len']} cache positions of each, so every step reads the same "
+            f"{setting['kv_bytes_read_per_step'] / 2**20:.1f} MiB of KV whatever the load"
+        )
     print(
         f"where the linear model does not hold: the decode program runs all "
-        f"{setting['slots']} slots (idle ones computed and discarded) and its attention "
-        f"(gyre/model/attention.py cached_attention) is dense over all {setting['max_len']} "
-        f"cache positions of each, so every step reads the same "
-        f"{setting['kv_bytes_read_per_step'] / 2**20:.1f} MiB of KV whatever the load. Its cost "
-        "is set by the cell's shape (slots x max_len): the fitted base holds for this shape only."
+        f"{setting['slots']} slots (idle ones computed and discarded) and {attention_text}. "
+        "Its cost is set by the cell's shape (slots x max_len): the fitted base holds for this "
+        "shape only."
     )
     flat = max(f["per_seq_share"], f["per_ctx_share"]) < 0.1
     if flat:
@@ -380,6 +391,7 @@ def run_load(args, cell) -> dict:
         "new_tokens": new,
         "rounds": rounds,
         "kv_bytes_read_per_step": int(spec.slots * spec.max_len * kv_per_token),
+        "kv_block": kv_block_for(spec),  # 0: dense attention over max_len
     }
     command = "python benchmarks/decode.py" + (" --quick" if args.quick else "")
     if args.decode_steps is not None:

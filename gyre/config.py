@@ -105,6 +105,9 @@ def default_config() -> ml_collections.ConfigDict:
     # otherwise, where dots go to library kernels and the width changed nothing measured);
     # 0 = XLA's default; 128, 256 or 512 = that width for every cell. Accelerators ignore it.
     c.rollout.cpu_vector_width = -1
+    # Decode attention over the live part of the KV cache in blocks of this many entries
+    # (gyre/rollout/programs.py kv_block_for): -1 auto (live from max_len 1024), 0 dense.
+    c.rollout.kv_block = -1
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.max_new_tokens = 32
@@ -240,7 +243,7 @@ BOUNDS: dict[str, Bound] = {
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
     "rollout.decode_steps": _ge(1), "rollout.cpu_vector_width": Bound(-1, 512),
     "rollout.temperature": _ge(0), "rollout.top_p": UNIT_OPEN_LO, "rollout.max_new_tokens": _ge(1),
-    "rollout.kv_tokens": _ge(0),
+    "rollout.kv_tokens": _ge(0), "rollout.kv_block": _ge(-1),
     "agent.max_calls": _ge(1), "agent.max_tokens": _ge(1), "agent.max_seconds": _gt(0),
     "agent.max_retries": _ge(0), "agent.context_window": _ge(2), "agent.infra_retries": _ge(0),
     "agent.concurrency": _ge(1),

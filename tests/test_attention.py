@@ -219,3 +219,62 @@ def test_cached_attention_equals_causal_tree_attention():
     )
     ref = attention.dense_attention(q, k, v, jnp.full((2, T), T, jnp.int32))
     np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def live_inputs(seed, pos, m):
+    """q[B,1,H,Dh], own k/v [B,1,KVH,Dh] and a cache [B,KVH,M,Dh] of random (garbage past
+    each row's pos) entries; the row's own k/v are also written at its pos (as the engine
+    does), so naive_cached over entries j <= pos is the reference."""
+    b = len(pos)
+    q, _, _, _ = random_qkv(seed, b=b, t=1)
+    keys = jax.random.split(jax.random.key(seed + 1), 4)
+    k_cache, v_cache = (np.array(jax.random.normal(key, (b, m, KVH, DH))) for key in keys[:2])
+    k_own, v_own = (np.array(jax.random.normal(key, (b, 1, KVH, DH))) for key in keys[2:])
+    for i, p in enumerate(pos):
+        if p < m:
+            k_cache[i, p], v_cache[i, p] = k_own[i, 0], v_own[i, 0]
+    heads_first = lambda x: jnp.swapaxes(jnp.asarray(x), 1, 2)  # noqa: E731
+    own = (jnp.asarray(k_own), jnp.asarray(v_own))
+    return q, *own, heads_first(k_cache), heads_first(v_cache), (k_cache, v_cache)
+
+
+live = jax.jit(attention.live_decode_attention, static_argnums=6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 40), st.integers(1, 16), st.lists(st.integers(0, 40), min_size=2, max_size=4),
+    st.integers(0, 2**16),
+)  # fmt: skip
+def test_live_decode_attention_matches_the_loop_reference(m, block, raw_pos, seed):
+    # Any cache length, block (the last block is clamped when block does not divide M) and
+    # positions, idle rows (pos >= M) among them: running rows equal softmax over j <= pos.
+    pos = [p if p <= m else m for p in raw_pos]
+    q, k_own, v_own, k_cache, v_cache, (k_np, v_np) = live_inputs(seed, pos, m)
+    out = np.asarray(live(q, k_own, v_own, k_cache, v_cache, jnp.asarray(pos), block))
+    running = [i for i, p in enumerate(pos) if p < m]
+    if running:
+        pos_Bx1 = np.asarray(pos)[running, None]
+        ref = naive_cached(np.asarray(q)[running], k_np[running], v_np[running], pos_Bx1,
+                           pos_Bx1[:, 0] + 1)  # fmt: skip
+        np.testing.assert_allclose(out[running], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [4, 7, 64])
+def test_live_decode_attention_rows_do_not_depend_on_their_batch(block):
+    # Row 0 (pos 5) next to short rows and next to a long one: the long one adds blocks row 0
+    # cannot see, which must leave its numbers bit for bit as they were.
+    m = 40
+    q, k_own, v_own, k_cache, v_cache, _ = live_inputs(3, [5, 2, 39], m)
+    short = live(q[:2], k_own[:2], v_own[:2], k_cache[:2], v_cache[:2], jnp.array([5, 2]), block)
+    full = live(q, k_own, v_own, k_cache, v_cache, jnp.array([5, 2, 39]), block)
+    idle = live(q, k_own, v_own, k_cache, v_cache, jnp.array([5, 2, m]), block)
+    np.testing.assert_array_equal(np.asarray(short[0]), np.asarray(full[0]))
+    np.testing.assert_array_equal(np.asarray(idle[:2]), np.asarray(short))
+
+
+def test_live_decode_attention_bad_heads_raise():
+    q, k_own, v_own, k_cache, v_cache, _ = live_inputs(5, [3], 8)
+    with pytest.raises(ValueError, match="not a multiple of cache kv heads"):
+        attention.live_decode_attention(q[:, :, :3], k_own, v_own, k_cache, v_cache,
+                                        jnp.array([3]), 4)  # fmt: skip

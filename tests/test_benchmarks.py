@@ -156,3 +156,16 @@ def test_decode_steps_option_works_with_and_without_the_spec_field():
         decode.with_decode_steps(Old(), 4)
     assert decode.tokens_per_dispatch(decode.with_decode_steps(New(), 4)) == 4
     assert decode.tokens_per_dispatch(New()) == 16
+
+
+def test_live_attention_benchmark_compares_both_settings_on_the_same_tokens():
+    res = last_json(["benchmarks/live_attention.py", "--quick", "--runs", "1"])
+    assert res["benchmark"] == "live_attention" and res["block"] == 32
+    assert [(r["batch"], r["prompt"], r["max_len"]) for r in res["rows"]] == [
+        (1, 16, 48), (4, 16, 256), (4, 200, 256)
+    ]  # fmt: skip
+    for r in res["rows"]:
+        assert r["dense_tok_s"] > 0 and r["live_tok_s"] > 0
+        assert r["ratio"] == round(r["live_tok_s"] / r["dense_tok_s"], 3) or abs(
+            r["ratio"] - r["live_tok_s"] / r["dense_tok_s"]) < 2e-3  # fmt: skip
+        assert 0 <= r["match"] <= res["new"] and r["auto_kv_block"] == 0

@@ -75,6 +75,7 @@ def test_int_accepted_for_float():
         ({"trajectory.loss_mode": "mean"}, "trajectory.loss_mode"),
         ({"scheduler.policy": "fifo"}, "scheduler.policy"),
         ({"rollout.cpu_vector_width": 384}, "rollout.cpu_vector_width"),
+        ({"rollout.kv_block": -2}, "rollout.kv_block"),
         ({"env.name": "chess"}, "env.name"),
         ({"train.rows_per_microbatch": 0}, "train.rows_per_microbatch"),
         ({"train.clip_low": 1.5}, "train.clip_low"),

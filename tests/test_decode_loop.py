@@ -13,7 +13,7 @@ from test_engine import reference_logprobs
 from benchmarks.switch import CompileCounter
 from gyre import mesh as gmesh
 from gyre.rollout.engine import Engine
-from gyre.rollout.programs import RolloutSpec, compiler_options, programs_for
+from gyre.rollout.programs import RolloutSpec, compiler_options, kv_block_for, programs_for
 from gyre.rollout.types import GenerateRequest
 
 
@@ -28,8 +28,8 @@ def prompt(seed, n):
 STOPS = (3, 7, 11, 13, 17, 19, 23, 29)  # 8 of 64 ids: some requests stop early
 
 
-def run(requests, steps, cell=0):
-    engine = Engine(dataclasses.replace(SPEC, decode_steps=steps), CELLS[cell], STATE)
+def run(requests, steps, cell=0, spec=SPEC):
+    engine = Engine(dataclasses.replace(spec, decode_steps=steps), CELLS[cell], STATE)
     rids = [engine.submit(r) for r in requests]
     out = engine.run_until_done()
     return [out[r] for r in rids], engine
@@ -131,8 +131,9 @@ def test_new_weights_make_resident_prefixes_unusable_as_sources():
     assert engine.stats["shared_tokens"] == 0  # the live request's K/V is the old weights'
 
 
-def test_nothing_recompiles_as_the_number_of_live_requests_changes():
-    spec = dataclasses.replace(SPEC, decode_steps=4)
+@pytest.mark.parametrize("kv_block", [0, 24])  # dense, live blocks (their count is data)
+def test_nothing_recompiles_as_the_number_of_live_requests_changes(kv_block):
+    spec = dataclasses.replace(SPEC, decode_steps=4, kv_block=kv_block)
     engine = Engine(spec, CELLS[2], STATE)
     engine.warmup()
     counter = CompileCounter()
@@ -201,3 +202,38 @@ def test_one_slot_cell_decodes_with_wide_vectors_exactly():
         np.testing.assert_allclose(wide.logprobs, plain.logprobs, atol=1e-5)
         np.testing.assert_allclose(wide.logprobs, reference_logprobs(req, wide.tokens), atol=1e-4)
         assert wide.tokens.size == 14
+
+
+# max_len 64 = 24 + 24 + 16: the third block is clamped inside the cache
+LIVE = dataclasses.replace(SPEC, kv_block=24)
+
+
+def test_live_kv_blocks_decode_exactly():
+    # Decode attention over the live blocks only: the loop equals one token per dispatch bit
+    # for bit, logprobs equal the full forward, and a request's tokens and logprobs do not
+    # depend on which requests (longer or shorter) share its loop, slot or cell.
+    assert kv_block_for(LIVE) == 24 and kv_block_for(SPEC) == 0
+    reqs = [request(f"l{i}", prompt(60 + i, 3 + 11 * i), 6 + 4 * i, t)
+            for i, t in enumerate((0.0, 1.0, 0.7, 1.0, 0.0))]  # fmt: skip
+    one, _ = run(reqs, 1, spec=LIVE)
+    loop, _ = run(reqs, 16, spec=LIVE)
+    for req, w, g in zip(reqs, one, loop):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        np.testing.assert_array_equal(g.logprobs, w.logprobs)
+        np.testing.assert_allclose(g.logprobs, reference_logprobs(req, g.tokens), atol=1e-4)
+    alone, _ = run(reqs[:1], 16, cell=1, spec=LIVE)
+    np.testing.assert_array_equal(alone[0].tokens, loop[0].tokens)
+    np.testing.assert_array_equal(alone[0].logprobs, loop[0].logprobs)
+
+
+@pytest.mark.parametrize(
+    "kv_block,max_len,want",
+    [(-1, 64, 0), (-1, 1023, 0), (-1, 1024, 128), (-1, 4096, 128), (0, 4096, 0), (32, 64, 32)],
+)
+def test_kv_block_follows_the_setting_and_max_len(kv_block, max_len, want):
+    assert kv_block_for(dataclasses.replace(SPEC, kv_block=kv_block, max_len=max_len)) == want
+
+
+def test_a_negative_kv_block_is_refused_by_name():
+    with pytest.raises(ValueError, match="rollout.kv_block"):
+        dataclasses.replace(SPEC, kv_block=-2)

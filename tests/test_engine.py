@@ -1,5 +1,7 @@
 """Rollout engine: exact logprobs, identity-keyed sampling, prefix reuse, weight updates."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +20,8 @@ def make_request(i, prompt_len, new, temperature=1.0, stop=(), seed=0):
     return GenerateRequest(f"exec{i}", i, prompt, new, tuple(stop), temperature)
 
 
-def run_alone(cell, requests, state=STATE):
-    engine = Engine(SPEC, cell, state)
+def run_alone(cell, requests, state=STATE, spec=SPEC):
+    engine = Engine(spec, cell, state)
     rids = [engine.submit(r) for r in requests]
     out = engine.run_until_done()
     return [out[r] for r in rids], engine
@@ -143,11 +145,13 @@ def test_common_prefix():
     assert common_prefix(a, np.zeros(0, np.int64)) == 0
 
 
-def test_model_parallel_cell_shards_kv_heads_and_agrees():
+@pytest.mark.parametrize("kv_block", [0, 24])  # dense; live blocks (gyre/rollout/programs.py)
+def test_model_parallel_cell_shards_kv_heads_and_agrees(kv_block):
     (mp_cell,) = gmesh.make_cells(2, model_parallel=2, devices=jax.devices()[6:])
     req = make_request(5, 13, 8, 1.0)
-    dp_out, dp = run_alone(CELLS[0], [req])
-    mp_out, mp = run_alone(mp_cell, [req])
+    spec = dataclasses.replace(SPEC, kv_block=kv_block)
+    dp_out, dp = run_alone(CELLS[0], [req], spec=spec)
+    mp_out, mp = run_alone(mp_cell, [req], spec=spec)
     k_dp, k_mp = dp.cache["k"][0], mp.cache["k"][0]  # one layer's [S, KVH, M, Dh]
     assert len(dp.cache["k"]) == 2 and k_dp.shape == (4, 2, 64, 16)
     assert k_dp.sharding.shard_shape(k_dp.shape) == (2, 2, 64, 16)  # slots over data

@@ -342,6 +342,73 @@ def _decode_attention(q, k_cache, v_cache, q_pos_B, kv_len_B):
     return out.reshape(b, 1, h, d).astype(q.dtype)
 
 
+def live_length(pos_B, max_len):
+    """Cache entries before the longest running row's query: max pos over rows < max_len."""
+    return jnp.where(pos_B < max_len, pos_B, 0).max()
+
+
+def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=None):
+    """One query per row against the live part of a slot KV cache, ``block`` entries at a time.
+
+    q[B,1,H,Dh]; k_new/v_new[B,1,KVH,Dh]: the row's own key and value (at index pos);
+    k_cache/v_cache[B,KVH,M,Dh]; pos_B int[B]: the query's cache index. Row b attends to its
+    own k/v and to cache entries j < pos_B[b]; rows with pos >= M are idle (their output is
+    garbage and they set no work). ``live``: int scalar, max pos over running rows (computed
+    here when None; a caller with several layers passes it once, one reduction a step
+    instead of one per layer where slots are sharded). -> out[B,1,H,Dh].
+
+    An online softmax (flash-attention style) in a device loop over the blocks up to the
+    longest live row, so a step costs what the live contexts need, not max_len: with
+    max_len 2048 and contexts under 200 tokens a decode loop runs 2-4x faster than dense
+    attention over the whole cache (benchmarks/live_attention.py). Rows are independent of
+    their batch bit for bit: the fold starts from the row's own k/v (a finite score), and a
+    block a shorter row cannot see scales its state by exp(0) = 1 and adds exact zeros. A
+    final block that would pass M is clamped in place and masks the entries it repeats."""
+    b, _, h, d = q.shape
+    kvh, m = k_cache.shape[1], k_cache.shape[2]
+    if h % kvh:
+        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    g, blk = h // kvh, min(block, m)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  (products in f32, as the dots')
+    q_BxKxGxD = f32(q.reshape(b, kvh, g, d))
+    if b == 1:  # multiply-and-sum, not dots: see _decode_attention on B = 1
+        scores = lambda k: (q_BxKxGxD[0, :, :, None] * f32(k[0])[:, None]).sum(-1)[None]  # noqa: E731
+        mix = lambda p, v: (p[0][..., None] * f32(v[0])[:, None]).sum(-2)[None]  # noqa: E731
+    else:
+        scores = lambda k: jnp.einsum(  # noqa: E731
+            "bkgd,bkmd->bkgm", q_BxKxGxD.astype(k.dtype), k, preferred_element_type=jnp.float32
+        )
+        mix = lambda p, v: jnp.einsum(  # noqa: E731
+            "bkgm,bkmd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+    scale = 1.0 / math.sqrt(d)
+    # The fold's state: running max, denominator, unnormalised output, from the own k/v.
+    m_BxKxG = (q_BxKxGxD * f32(k_new.reshape(b, kvh, 1, d))).sum(-1) * scale
+    l_BxKxG = jnp.ones_like(m_BxKxG)
+    acc_BxKxGxD = jnp.broadcast_to(f32(v_new.reshape(b, kvh, 1, d)), (b, kvh, g, d))
+
+    def fold(i, state):
+        m_run, l_run, acc = state
+        lo = i * blk
+        start = jnp.minimum(lo, m - blk)  # the last block stays inside the cache
+        j = start + jnp.arange(blk)
+        vis_BxN = (j[None, :] >= lo) & (j[None, :] < pos_B[:, None])
+        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=2)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_cache, start, blk, axis=2)
+        s = jnp.where(vis_BxN[:, None, None, :], scores(k_blk) * scale, -jnp.inf)
+        m_new = jnp.maximum(m_run, s.max(-1))
+        c = jnp.exp(m_run - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        return m_new, l_run * c + p.sum(-1), acc * c[..., None] + mix(p, v_blk)
+
+    if live is None:
+        live = live_length(pos_B, m)
+    state = (m_BxKxG, l_BxKxG, acc_BxKxGxD)
+    _, l_BxKxG, acc_BxKxGxD = jax.lax.fori_loop(0, (live + blk - 1) // blk, fold, state)
+    out = acc_BxKxGxD / l_BxKxG[..., None]
+    return out.reshape(b, 1, h, d).astype(q.dtype)
+
+
 def _visible_softmax(s, vis):
     """Softmax over the last axis where ``vis``. Entry 0 is always visible (q_pos >= 0 and
     kv_len >= 1 for any row, idle ones included), so no row is all -inf and the plain

@@ -232,7 +232,8 @@ def serving_logits(spec: ModelSpec, weights: dict, hidden_BxNxD):
                       preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, slot_B, start_B,
+                    kv_block: int = 0):
     """Causal forward of T new tokens per row against slot ``slot_B[b]`` of the cache.
 
     ``weights``: :func:`serving_weights` (one dict of arrays per layer, made once per weight
@@ -246,6 +247,9 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     start + T <= max_len for real tokens. Slots must be distinct within one call.
     ``slot_B=None``: row b is slot b, every slot (decode), which reads each layer's cache in
     place instead of gathering its rows. Layers run unrolled (static indices).
+    ``kv_block`` > 0 (decode with ``slot_B=None`` only): attention reads the cache in blocks
+    of that many entries up to the longest live row (:func:`attention.live_decode_attention`)
+    instead of all max_len entries.
     """
     dtype = jnp.dtype(spec.dtype)
     t = tokens_BxT.shape[1]
@@ -256,11 +260,19 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
     x = weights["embed"].astype(dtype)[tokens_BxT]
     ks, vs = list(cache["k"]), list(cache["v"])
+    live = attention.live_length(start_B, ks[0].shape[2]) if kv_block else None
     for i, p in enumerate(weights["layers"]):
         q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
         # [S, KVH, M, Dh] at (slot, :, idx): the indexed view is [B, T, KVH, Dh]
         ks[i] = ks[i].at[slot_BxT, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
         vs[i] = vs[i].at[slot_BxT, :, idx_BxT].set(v.astype(vs[i].dtype), mode="drop")
+        if kv_block and t == 1 and every:  # decode over the live blocks only
+            k_own, v_own = (a.astype(ks[i].dtype).astype(dtype) for a in (k, v))  # as stored
+            out = attention.live_decode_attention(
+                q, k_own, v_own, ks[i].astype(dtype), vs[i].astype(dtype), start_B, kv_block, live
+            )
+            x = _finish_block(p, x, out, spec, dtype)
+            continue
         k_BxKxMxDh = (ks[i] if every else ks[i][slot_B]).astype(dtype)
         v_BxKxMxDh = (vs[i] if every else vs[i][slot_B]).astype(dtype)
         out = attention.cached_attention(q, k_BxKxMxDh, v_BxKxMxDh, idx_BxT, start_B + t)

@@ -44,11 +44,16 @@ class RolloutSpec:
     # SIMD width XLA:CPU's emitted code prefers in these programs (:func:`compiler_options`):
     # -1 auto, 0 XLA's default, else 128/256/512 bits. Accelerators ignore it.
     cpu_vector_width: int = -1
+    # Decode attention reads the KV cache in blocks of this many entries, up to the longest
+    # live context (:func:`kv_block_for`): -1 auto, 0 dense over all max_len entries.
+    kv_block: int = -1
 
     def __post_init__(self):
         for name in ("slots", "max_len", "prefill_chunk", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_block < -1:
+            raise ValueError(f"rollout.kv_block must be -1 (auto), 0 or >= 1, got {self.kv_block}")
         if self.kv_tokens < 0:
             raise ValueError(f"rollout.kv_tokens must be >= 0, got {self.kv_tokens}")
         if self.cpu_vector_width not in CPU_VECTOR_WIDTHS:
@@ -74,6 +79,25 @@ def compiler_options(r: RolloutSpec, platform: str) -> dict:
     if platform != "cpu" or width == 0:
         return {}
     return {"xla_cpu_prefer_vector_width": width}
+
+
+# Auto kv_block: live blocks of this many entries once max_len is at least LIVE_FROM of them.
+AUTO_KV_BLOCK, LIVE_FROM = 128, 8
+
+
+def kv_block_for(r: RolloutSpec) -> int:
+    """Block size of the decode programs' attention; 0 = dense over the whole cache.
+
+    Dense attention reads all max_len entries of every slot each step; live blocks read only
+    up to the longest running context, at the cost of a device loop over the blocks. On CPU
+    (benchmarks/live_attention.py, BENCHMARKS.md) live blocks of 128 decode 2-4x faster at
+    max_len 2048 with contexts under 200 tokens and 1.3x at max_len 512 (batch 8), but
+    0.75-1.0x dense when contexts fill the cache or max_len is a few blocks. So auto (-1)
+    goes live from max_len >= 8 blocks (1024). A static choice per cell: a row's numbers
+    never depend on the other rows (both paths are batch-invariant, but not equal)."""
+    if r.kv_block != -1:
+        return r.kv_block
+    return AUTO_KV_BLOCK if r.max_len >= LIVE_FROM * AUTO_KV_BLOCK else 0
 
 
 # Stop ids a request may give (the decode loop checks them on the device, padded with -1).
@@ -146,10 +170,13 @@ class Programs:
             _, cache, tok_S, lp_S = jax.lax.while_loop(lambda c: c[0] < rows, body, init)
             return cache, tok_S, lp_S
 
+        kv_block = kv_block_for(r)
+
         def decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
             """One token for every slot; rows with start >= max_len write nowhere."""
             hidden, cache = gdec.forward_serving(
-                spec, weights, tokens_S[:, None], start_S[:, None], cache, None, start_S
+                spec, weights, tokens_S[:, None], start_S[:, None], cache, None, start_S,
+                kv_block,
             )
             logits_SxV = gdec.serving_logits(spec, weights, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)

@@ -1,0 +1,135 @@
+"""Decode attention over the live KV blocks vs dense over max_len, alternating in one process.
+
+The rollout engine's decode attention either reads every slot's whole cache (``kv_block`` 0,
+dense over max_len) or reads it in blocks up to the longest live context (``kv_block`` > 0,
+gyre/model/attention.py ``live_decode_attention``). Same engine, same random-init model as
+``benchmarks/vs_tunix.py`` (hidden 256, 4 layers, 8/4 heads of 32, vocab 4096, float32), one
+CPU device, greedy, B requests of P prompt tokens generating ``--new`` tokens each, on a cell
+of ``slots`` = B and the given max_len. Per row both settings run alternately ``--runs``
+times after a warm-up; decode tok/s = B * (new - 1) / (whole call - 1-token call), from the
+medians and from the fastest calls (best; a shared machine's other tenants only slow runs
+down). match = leading greedy tokens equal between the two (the two sum in different orders,
+so a near tie may flip; every row printed says how many agree).
+
+    python benchmarks/live_attention.py [--quick] [--runs 5] [--block 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.vs_tunix import FULL_MODEL, QUICK_MODEL, make_prompts, match_length  # noqa: E402
+from gyre import mesh as gmesh  # noqa: E402
+from gyre.config import default_config  # noqa: E402
+from gyre.model import decoder as gdec  # noqa: E402
+from gyre.rl.builder import build_specs  # noqa: E402
+from gyre.rollout.engine import Engine  # noqa: E402
+from gyre.rollout.programs import AUTO_KV_BLOCK, kv_block_for  # noqa: E402
+from gyre.rollout.types import GenerateRequest  # noqa: E402
+
+# (batch, prompt, max_len): short contexts in a tight, a mid and a long cache; then contexts
+# that fill the cache (where live blocks can only cost).
+ROWS = [(1, 64, 192), (8, 64, 192), (1, 64, 512), (8, 64, 512), (1, 64, 2048), (8, 64, 2048),
+        (1, 896, 1024), (8, 896, 1024)]  # fmt: skip
+QUICK_ROWS = [(1, 16, 48), (4, 16, 256), (4, 200, 256)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, small rows")
+    parser.add_argument("--runs", type=int, default=5, help="timed calls per setting and row")
+    parser.add_argument("--new", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--block", type=int, default=None,
+                        help=f"live kv_block (default {AUTO_KV_BLOCK}; 32 with --quick)")
+    args = parser.parse_args(argv)
+    if args.block is None:
+        args.block = 32 if args.quick else AUTO_KV_BLOCK
+    if args.runs < 1 or args.new < 2 or args.block < 1:
+        parser.error("--runs >= 1, --new >= 2 and --block >= 1")
+    return args
+
+
+def rollout_spec(quick: bool, batch: int, max_len: int, kv_block: int):
+    cfg = default_config()
+    for key, value in (QUICK_MODEL if quick else FULL_MODEL).items():
+        cfg.model[key] = value
+    cfg.model.dtype, cfg.model.tie_embeddings = "float32", False
+    cfg.rollout.slots, cfg.rollout.max_len, cfg.rollout.kv_block = batch, max_len, kv_block
+    return build_specs(cfg).rollout
+
+
+def timed(spec, cell, state, prompts_BxP: np.ndarray, new: int, call: int):
+    """One call on a fresh engine (no KV left from before) -> (seconds, tokens int32[B, new])."""
+    engine = Engine(spec, cell, state)
+    engine.warmup()
+    reqs = [GenerateRequest(f"live{i}", call, p, new, temperature=0.0)
+            for i, p in enumerate(prompts_BxP)]  # fmt: skip
+    start = time.perf_counter()
+    rids = [engine.submit(r) for r in reqs]
+    out = engine.run_until_done()
+    return time.perf_counter() - start, np.stack([np.asarray(out[r].tokens) for r in rids])
+
+
+def compare(quick, cell, state, batch, prompt, max_len, new, runs, block) -> dict:
+    prompts = make_prompts(batch, prompt, rollout_spec(quick, 1, 8, 0).model.vocab_size, 5)
+    specs = {"dense": rollout_spec(quick, batch, max_len, 0),
+             "live": rollout_spec(quick, batch, max_len, block)}  # fmt: skip
+    whole = {k: [] for k in specs}
+    first = {k: [] for k in specs}
+    tokens = {}
+    for i in range(runs + 1):  # round 0 warms up (compiles) and is not timed
+        for name, spec in specs.items():
+            seconds, tokens[name] = timed(spec, cell, state, prompts, new, 2 * i)
+            one, _ = timed(spec, cell, state, prompts, 1, 2 * i + 1)
+            if i:
+                whole[name].append(seconds)
+                first[name].append(one)
+
+    def rate(pick):
+        return {k: batch * (new - 1) / max(pick(whole[k]) - pick(first[k]), 1e-9) for k in specs}
+
+    med, best = rate(statistics.median), rate(min)
+    return {
+        "batch": batch, "prompt": prompt, "max_len": max_len,
+        "dense_tok_s": round(med["dense"], 1), "live_tok_s": round(med["live"], 1),
+        "ratio": round(med["live"] / med["dense"], 3),
+        "best_ratio": round(best["live"] / best["dense"], 3),
+        "match": match_length(tokens["dense"], tokens["live"]),
+        "auto_kv_block": kv_block_for(rollout_spec(quick, batch, max_len, -1)),
+    }  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    (cell,) = gmesh.make_cells(1, devices=jax.devices()[:1])
+    spec = rollout_spec(args.quick, 1, 8, 0)
+    _, state = gdec.init_sharded(spec.model, 0, cell, "rollout")
+    new = min(args.new, 16) if args.quick else args.new
+    rows = []
+    print(f"live kv blocks of {args.block} vs dense attention; decode tok/s, median of "
+          f"{args.runs} alternating calls; best = ratio of the fastest calls; {new} new tokens")  # fmt: skip
+    print(f"{'batch':>5} {'prompt':>6} {'max_len':>7} {'dense':>9} {'live':>9} {'ratio':>6} "
+          f"{'best':>6} {'match':>5} {'auto':>5}")  # fmt: skip
+    for batch, prompt, max_len in QUICK_ROWS if args.quick else ROWS:
+        r = compare(args.quick, cell, state, batch, prompt, max_len, new, args.runs, args.block)
+        rows.append(r)
+        print(f"{batch:>5} {prompt:>6} {max_len:>7} {r['dense_tok_s']:>9.1f} "
+              f"{r['live_tok_s']:>9.1f} {r['ratio']:>6.2f} {r['best_ratio']:>6.2f} "
+              f"{r['match']:>5} {r['auto_kv_block']:>5}", flush=True)  # fmt: skip
+    result = {"benchmark": "live_attention", "block": args.block, "new": new, "runs": args.runs,
+              "quick": args.quick, "rows": rows}  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
