@@ -90,11 +90,14 @@ def kv_block_for(r: RolloutSpec) -> int:
 
     Dense attention reads all max_len entries of every slot each step; live blocks read only
     up to the longest running context, at the cost of a device loop over the blocks. On CPU
-    (benchmarks/live_attention.py, BENCHMARKS.md) live blocks of 128 decode 2-4x faster at
-    max_len 2048 with contexts under 200 tokens and 1.3x at max_len 512 (batch 8), but
-    0.75-1.0x dense when contexts fill the cache or max_len is a few blocks. So auto (-1)
-    goes live from max_len >= 8 blocks (1024). A static choice per cell: a row's numbers
-    never depend on the other rows (both paths are batch-invariant, but not equal)."""
+    with contexts of 64-192 tokens (benchmarks/live_attention.py, BENCHMARKS.md), live blocks
+    of 128 decode 2.5-4x faster than dense at max_len 2048 and 1.2-1.4x at 512, but 0.8-0.9x
+    at 192 (two blocks), and 0.9x when contexts fill a 1024 cache. So auto (-1) goes live
+    from max_len >= 8 blocks (1024); a cell whose contexts stay well under a 512 cache gains
+    by setting 128. A static choice per cell: rows never depend on the other rows (both paths
+    are batch-invariant bit for bit, but they sum in different orders, so they differ in
+    the last bits from each other).
+    """
     if r.kv_block != -1:
         return r.kv_block
     return AUTO_KV_BLOCK if r.max_len >= LIVE_FROM * AUTO_KV_BLOCK else 0
