@@ -42,7 +42,7 @@ from gyre.elastic import calibration
 from gyre.model import decoder as gdec
 from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
-from gyre.rollout.programs import kv_block_for
+from gyre.rollout.programs import kv_blocks
 from gyre.rollout.types import GenerateRequest
 
 # --model peer: the Qwen3 of benchmarks/vs_tunix.py (5.25M parameters, 21 MB of float32
@@ -391,7 +391,7 @@ def run_load(args, cell) -> dict:
         "new_tokens": new,
         "rounds": rounds,
         "kv_bytes_read_per_step": int(spec.slots * spec.max_len * kv_per_token),
-        "kv_block": kv_block_for(spec),  # 0: dense attention over max_len
+        "kv_block": kv_blocks(spec)[1],  # decode; 0: dense attention over max_len
     }
     command = "python benchmarks/decode.py" + (" --quick" if args.quick else "")
     if args.decode_steps is not None:

@@ -1,15 +1,18 @@
-"""Decode attention over the live KV blocks vs dense over max_len, alternating in one process.
+"""KV attention over the live blocks vs dense over max_len, alternating in one process.
 
-The rollout engine's decode attention either reads every slot's whole cache (``kv_block`` 0,
-dense over max_len) or reads it in blocks up to the longest live context (``kv_block`` > 0,
-gyre/model/attention.py ``live_decode_attention``). Same engine, same random-init model as
+The rollout engine's attention either reads every slot's whole cache (``kv_block`` 0, dense
+over max_len) or reads it in blocks up to the live context (``kv_block`` > 0: decode up to
+the longest running row, gyre/model/attention.py ``live_decode_attention``; prefill up to
+the row's own length, ``live_prefill_attention``). Same engine, same random-init model as
 ``benchmarks/vs_tunix.py`` (hidden 256, 4 layers, 8/4 heads of 32, vocab 4096, float32), one
 CPU device, greedy, B requests of P prompt tokens generating ``--new`` tokens each, on a cell
 of ``slots`` = B and the given max_len. Per row both settings run alternately ``--runs``
 times after a warm-up; decode tok/s = B * (new - 1) / (whole call - 1-token call), from the
 medians and from the fastest calls (best; a shared machine's other tenants only slow runs
-down). match = leading greedy tokens equal between the two (the two sum in different orders,
-so a near tie may flip; every row printed says how many agree).
+down; "-" where a 1-token call took longer than the whole one); first ms = the median
+1-token call (prefill of the prompts and the first token).
+match = leading greedy tokens equal between the two (they sum in different orders, so a
+near tie may flip; every row printed says how many agree).
 
     python benchmarks/live_attention.py [--quick] [--runs 5] [--block 128]
 """
@@ -33,7 +36,7 @@ from gyre.config import default_config  # noqa: E402
 from gyre.model import decoder as gdec  # noqa: E402
 from gyre.rl.builder import build_specs  # noqa: E402
 from gyre.rollout.engine import Engine  # noqa: E402
-from gyre.rollout.programs import AUTO_KV_BLOCK, kv_block_for  # noqa: E402
+from gyre.rollout.programs import AUTO_KV_BLOCK, kv_blocks  # noqa: E402
 from gyre.rollout.types import GenerateRequest  # noqa: E402
 
 # (batch, prompt, max_len): short contexts in a tight, a mid and a long cache; then contexts
@@ -94,17 +97,22 @@ def compare(quick, cell, state, batch, prompt, max_len, new, runs, block) -> dic
                 whole[name].append(seconds)
                 first[name].append(one)
 
-    def rate(pick):
-        return {k: batch * (new - 1) / max(pick(whole[k]) - pick(first[k]), 1e-9) for k in specs}
+    def rate(pick) -> dict:  # None where noise makes a call with 1 token the slower one
+        d = {k: pick(whole[k]) - pick(first[k]) for k in specs}
+        return {k: batch * (new - 1) / d[k] if d[k] > 0 else None for k in specs}
 
+    ratio = lambda r: None if None in r.values() else round(r["live"] / r["dense"], 3)  # noqa: E731
+    r1 = lambda v: None if v is None else round(v, 1)  # noqa: E731
     med, best = rate(statistics.median), rate(min)
     return {
         "batch": batch, "prompt": prompt, "max_len": max_len,
-        "dense_tok_s": round(med["dense"], 1), "live_tok_s": round(med["live"], 1),
-        "ratio": round(med["live"] / med["dense"], 3),
-        "best_ratio": round(best["live"] / best["dense"], 3),
+        "dense_tok_s": r1(med["dense"]), "live_tok_s": r1(med["live"]),
+        "ratio": ratio(med), "best_ratio": ratio(best),
         "match": match_length(tokens["dense"], tokens["live"]),
-        "auto_kv_block": kv_block_for(rollout_spec(quick, batch, max_len, -1)),
+        # the 1-token call: prefill of the prompts and the first token (median)
+        "dense_first_ms": round(1e3 * statistics.median(first["dense"]), 2),
+        "live_first_ms": round(1e3 * statistics.median(first["live"]), 2),
+        "auto_kv_block": kv_blocks(rollout_spec(quick, batch, max_len, -1))[1],
     }  # fmt: skip
 
 
@@ -118,13 +126,15 @@ def main(argv=None) -> dict:
     print(f"live kv blocks of {args.block} vs dense attention; decode tok/s, median of "
           f"{args.runs} alternating calls; best = ratio of the fastest calls; {new} new tokens")  # fmt: skip
     print(f"{'batch':>5} {'prompt':>6} {'max_len':>7} {'dense':>9} {'live':>9} {'ratio':>6} "
-          f"{'best':>6} {'match':>5} {'auto':>5}")  # fmt: skip
+          f"{'best':>6} {'match':>5} {'auto':>5} {'first ms dense':>14} {'live':>8}")  # fmt: skip
     for batch, prompt, max_len in QUICK_ROWS if args.quick else ROWS:
         r = compare(args.quick, cell, state, batch, prompt, max_len, new, args.runs, args.block)
         rows.append(r)
-        print(f"{batch:>5} {prompt:>6} {max_len:>7} {r['dense_tok_s']:>9.1f} "
-              f"{r['live_tok_s']:>9.1f} {r['ratio']:>6.2f} {r['best_ratio']:>6.2f} "
-              f"{r['match']:>5} {r['auto_kv_block']:>5}", flush=True)  # fmt: skip
+        f = lambda v, w, p: f"{'-':>{w}}" if v is None else f"{v:>{w}.{p}f}"  # noqa: E731
+        print(f"{batch:>5} {prompt:>6} {max_len:>7} {f(r['dense_tok_s'], 9, 1)} "
+              f"{f(r['live_tok_s'], 9, 1)} {f(r['ratio'], 6, 2)} {f(r['best_ratio'], 6, 2)} "
+              f"{r['match']:>5} {r['auto_kv_block']:>5} {r['dense_first_ms']:>14.1f} "
+              f"{r['live_first_ms']:>8.1f}", flush=True)  # fmt: skip
     result = {"benchmark": "live_attention", "block": args.block, "new": new, "runs": args.runs,
               "quick": args.quick, "rows": rows}  # fmt: skip
     print(json.dumps(result))

@@ -105,8 +105,9 @@ def default_config() -> ml_collections.ConfigDict:
     # otherwise, where dots go to library kernels and the width changed nothing measured);
     # 0 = XLA's default; 128, 256 or 512 = that width for every cell. Accelerators ignore it.
     c.rollout.cpu_vector_width = -1
-    # Decode attention over the live part of the KV cache in blocks of this many entries
-    # (gyre/rollout/programs.py kv_block_for): -1 auto (live from max_len 1024), 0 dense.
+    # Attention over the live part of the KV cache in blocks of this many entries
+    # (gyre/rollout/programs.py kv_blocks): -1 auto (prefill live, decode live from max_len
+    # 1024), 0 dense over max_len.
     c.rollout.kv_block = -1
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0

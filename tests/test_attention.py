@@ -278,3 +278,25 @@ def test_live_decode_attention_bad_heads_raise():
     with pytest.raises(ValueError, match="not a multiple of cache kv heads"):
         attention.live_decode_attention(q[:, :, :3], k_own, v_own, k_cache, v_cache,
                                         jnp.array([3]), 4)  # fmt: skip
+
+
+@pytest.mark.parametrize("block", [4, 7, 64])
+def test_live_prefill_attention_matches_the_loop_reference(block):
+    # A 5-token chunk at 9..13 of slot 2 in a cache of 3 slots x 24 entries (garbage past
+    # kv_len and in the other slots): equal to softmax over j <= pos, j < kv_len.
+    m, slot = 24, 2
+    q, _, _, _ = random_qkv(21, b=1, t=5)
+    k_cache, v_cache = (
+        jax.random.normal(key, (3, KVH, m, DH)) for key in jax.random.split(jax.random.key(22))
+    )
+    q_pos = jnp.arange(9, 14, dtype=jnp.int32)[None]
+    kv_len = jnp.array([14], jnp.int32)
+    out = jax.jit(attention.live_prefill_attention, static_argnums=6)(
+        q, k_cache, v_cache, jnp.int32(slot), q_pos, kv_len, block
+    )
+    rows = lambda x: np.asarray(jnp.swapaxes(x[slot : slot + 1], 1, 2))  # noqa: E731
+    ref = naive_cached(np.asarray(q), rows(k_cache), rows(v_cache), np.asarray(q_pos), kv_len)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    with pytest.raises(ValueError, match="one row"):
+        attention.live_prefill_attention(jnp.concatenate([q, q]), k_cache, v_cache, 0, q_pos,
+                                         kv_len, block)  # fmt: skip

@@ -165,7 +165,8 @@ def test_live_attention_benchmark_compares_both_settings_on_the_same_tokens():
         (1, 16, 48), (4, 16, 256), (4, 200, 256)
     ]  # fmt: skip
     for r in res["rows"]:
-        assert r["dense_tok_s"] > 0 and r["live_tok_s"] > 0
-        assert r["ratio"] == round(r["live_tok_s"] / r["dense_tok_s"], 3) or abs(
-            r["ratio"] - r["live_tok_s"] / r["dense_tok_s"]) < 2e-3  # fmt: skip
+        assert r["dense_first_ms"] > 0 and r["live_first_ms"] > 0
+        if r["ratio"] is not None:  # None: noise made a 1-token call the slower one
+            assert r["dense_tok_s"] > 0 and r["live_tok_s"] > 0
+            assert abs(r["ratio"] - r["live_tok_s"] / r["dense_tok_s"]) < 0.01 * r["ratio"]
         assert 0 <= r["match"] <= res["new"] and r["auto_kv_block"] == 0

@@ -13,7 +13,7 @@ from test_engine import reference_logprobs
 from benchmarks.switch import CompileCounter
 from gyre import mesh as gmesh
 from gyre.rollout.engine import Engine
-from gyre.rollout.programs import RolloutSpec, compiler_options, kv_block_for, programs_for
+from gyre.rollout.programs import RolloutSpec, compiler_options, kv_blocks, programs_for
 from gyre.rollout.types import GenerateRequest
 
 
@@ -212,7 +212,7 @@ def test_live_kv_blocks_decode_exactly():
     # Decode attention over the live blocks only: the loop equals one token per dispatch bit
     # for bit, logprobs equal the full forward, and a request's tokens and logprobs do not
     # depend on which requests (longer or shorter) share its loop, slot or cell.
-    assert kv_block_for(LIVE) == 24 and kv_block_for(SPEC) == 0
+    assert kv_blocks(LIVE) == (24, 24) and kv_blocks(SPEC) == (128, 0)
     reqs = [request(f"l{i}", prompt(60 + i, 3 + 11 * i), 6 + 4 * i, t)
             for i, t in enumerate((0.0, 1.0, 0.7, 1.0, 0.0))]  # fmt: skip
     one, _ = run(reqs, 1, spec=LIVE)
@@ -228,10 +228,17 @@ def test_live_kv_blocks_decode_exactly():
 
 @pytest.mark.parametrize(
     "kv_block,max_len,want",
-    [(-1, 64, 0), (-1, 1023, 0), (-1, 1024, 128), (-1, 4096, 128), (0, 4096, 0), (32, 64, 32)],
+    [
+        (-1, 64, (128, 0)),  # auto: live prefill always; dense decode below 8 blocks
+        (-1, 1023, (128, 0)),
+        (-1, 1024, (128, 128)),
+        (-1, 4096, (128, 128)),
+        (0, 4096, (0, 0)),
+        (32, 64, (32, 32)),
+    ],
 )
-def test_kv_block_follows_the_setting_and_max_len(kv_block, max_len, want):
-    assert kv_block_for(dataclasses.replace(SPEC, kv_block=kv_block, max_len=max_len)) == want
+def test_kv_blocks_follow_the_setting_and_max_len(kv_block, max_len, want):
+    assert kv_blocks(dataclasses.replace(SPEC, kv_block=kv_block, max_len=max_len)) == want
 
 
 def test_a_negative_kv_block_is_refused_by_name():

@@ -288,7 +288,8 @@ def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     q[B,T,H,Dh]; k_cache/v_cache[B,KVH,M,Dh] (each head's positions contiguous, so the
     contractions read the cache as stored); q_pos_index[B,T] int: the cache index of each
     query; kv_len[B] int: valid cache entries. Query at index i sees entries j <= i,
-    j < kv_len. Dense over M: decode is memory-bound, so skipping buys little here.
+    j < kv_len. Dense over all M entries (rollout.kv_block 0; :func:`live_decode_attention`
+    and :func:`live_prefill_attention` read only the live blocks).
     """
     b, t, h, d = q.shape
     kvh, m = k_cache.shape[1], k_cache.shape[2]
@@ -407,6 +408,50 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     _, l_BxKxG, acc_BxKxGxD = jax.lax.fori_loop(0, (live + blk - 1) // blk, fold, state)
     out = acc_BxKxGxD / l_BxKxG[..., None]
     return out.reshape(b, 1, h, d).astype(q.dtype)
+
+
+def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block):
+    """Prefill attention of one row's chunk against the live blocks of its slot.
+
+    q[1,T,H,Dh]; k_cache/v_cache[S,KVH,M,Dh] (every slot; the chunk's own k/v already
+    written); slot int scalar; q_pos_1xT int: each query's cache index; kv_len_1 int: valid
+    entries. Query at index i sees entries j <= i, j < kv_len. An online softmax over blocks
+    of ``block`` entries up to kv_len, read straight from the slot (no gather of its whole
+    max_len row): the cost follows the row's context, not max_len. One row at a time, as the
+    prefill program runs them, so the trip count is the row's own. -> out[1,T,H,Dh]."""
+    b, t, h, d = q.shape
+    kvh, m = k_cache.shape[1], k_cache.shape[2]
+    if b != 1:
+        raise ValueError(f"live_prefill_attention takes one row, got {b}")
+    if h % kvh:
+        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    g, blk = h // kvh, min(block, m)
+    q_KxGxTxD = q[0].reshape(t, kvh, g, d).transpose(1, 2, 0, 3)
+    scale = 1.0 / math.sqrt(d)
+
+    def fold(i, state):
+        m_run, l_run, acc = state
+        lo = i * blk
+        start = jnp.minimum(lo, m - blk)  # the last block stays inside the cache
+        j = start + jnp.arange(blk)
+        vis_TxN = (j[None, :] >= lo) & (j[None, :] <= q_pos_1xT[0, :, None]) & (j < kv_len_1[0])
+        read = lambda x: jax.lax.dynamic_slice(x, (slot, 0, start, 0), (1, kvh, blk, d))[0]  # noqa: E731
+        k_blk, v_blk = read(k_cache), read(v_cache)
+        s = jnp.einsum("kgtd,kmd->kgtm", q_KxGxTxD.astype(k_blk.dtype), k_blk,
+                       preferred_element_type=jnp.float32)  # fmt: skip
+        s = jnp.where(vis_TxN, s * scale, -jnp.inf)
+        m_new = jnp.maximum(m_run, s.max(-1))  # finite from block 0 on: entry 0 is visible
+        c = jnp.exp(m_run - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        pv = jnp.einsum("kgtm,kmd->kgtd", p.astype(v_blk.dtype), v_blk,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        return m_new, l_run * c + p.sum(-1), acc * c[..., None] + pv
+
+    init = (jnp.full((kvh, g, t), -jnp.inf), jnp.zeros((kvh, g, t)), jnp.zeros((kvh, g, t, d)))
+    n_blocks = (jnp.minimum(kv_len_1[0], m) + blk - 1) // blk
+    _, l_run, acc = jax.lax.fori_loop(0, n_blocks, fold, init)
+    out_KxGxTxD = acc / l_run[..., None]
+    return out_KxGxTxD.transpose(2, 0, 1, 3).reshape(1, t, h, d).astype(q.dtype)
 
 
 def _visible_softmax(s, vis):

@@ -247,9 +247,10 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     start + T <= max_len for real tokens. Slots must be distinct within one call.
     ``slot_B=None``: row b is slot b, every slot (decode), which reads each layer's cache in
     place instead of gathering its rows. Layers run unrolled (static indices).
-    ``kv_block`` > 0 (decode with ``slot_B=None`` only): attention reads the cache in blocks
-    of that many entries up to the longest live row (:func:`attention.live_decode_attention`)
-    instead of all max_len entries.
+    ``kv_block`` > 0: attention reads the cache in blocks of that many entries up to the
+    longest live row instead of all max_len entries: decode with ``slot_B=None``
+    (:func:`attention.live_decode_attention`) and prefill of one row
+    (:func:`attention.live_prefill_attention`).
     """
     dtype = jnp.dtype(spec.dtype)
     t = tokens_BxT.shape[1]
@@ -271,6 +272,13 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
             out = attention.live_decode_attention(
                 q, k_own, v_own, ks[i].astype(dtype), vs[i].astype(dtype), start_B, kv_block, live
             )
+            x = _finish_block(p, x, out, spec, dtype)
+            continue
+        if kv_block and not every and tokens_BxT.shape[0] == 1:  # one prefill row, live
+            out = attention.live_prefill_attention(
+                q, ks[i].astype(dtype), vs[i].astype(dtype), slot_B[0], idx_BxT, start_B + t,
+                kv_block,
+            )  # fmt: skip
             x = _finish_block(p, x, out, spec, dtype)
             continue
         k_BxKxMxDh = (ks[i] if every else ks[i][slot_B]).astype(dtype)

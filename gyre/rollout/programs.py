@@ -44,8 +44,8 @@ class RolloutSpec:
     # SIMD width XLA:CPU's emitted code prefers in these programs (:func:`compiler_options`):
     # -1 auto, 0 XLA's default, else 128/256/512 bits. Accelerators ignore it.
     cpu_vector_width: int = -1
-    # Decode attention reads the KV cache in blocks of this many entries, up to the longest
-    # live context (:func:`kv_block_for`): -1 auto, 0 dense over all max_len entries.
+    # Attention reads the KV cache in blocks of this many entries up to the live context
+    # (:func:`kv_blocks`): -1 auto, 0 dense over all max_len entries.
     kv_block: int = -1
 
     def __post_init__(self):
@@ -81,26 +81,29 @@ def compiler_options(r: RolloutSpec, platform: str) -> dict:
     return {"xla_cpu_prefer_vector_width": width}
 
 
-# Auto kv_block: live blocks of this many entries once max_len is at least LIVE_FROM of them.
-AUTO_KV_BLOCK, LIVE_FROM = 128, 8
+# Auto kv_block: blocks of this many entries; decode reads live blocks once max_len is at
+# least LIVE_DECODE_FROM of them.
+AUTO_KV_BLOCK, LIVE_DECODE_FROM = 128, 8
 
 
-def kv_block_for(r: RolloutSpec) -> int:
-    """Block size of the decode programs' attention; 0 = dense over the whole cache.
+def kv_blocks(r: RolloutSpec) -> tuple[int, int]:
+    """(prefill, decode) block sizes of the programs' attention; 0 = dense over max_len.
 
-    Dense attention reads all max_len entries of every slot each step; live blocks read only
-    up to the longest running context, at the cost of a device loop over the blocks. On CPU
-    with contexts of 64-192 tokens (benchmarks/live_attention.py, BENCHMARKS.md), live blocks
-    of 128 decode 2.5-4x faster than dense at max_len 2048 and 1.2-1.4x at 512, but 0.8-0.9x
-    at 192 (two blocks), and 0.9x when contexts fill a 1024 cache. So auto (-1) goes live
-    from max_len >= 8 blocks (1024); a cell whose contexts stay well under a 512 cache gains
-    by setting 128. A static choice per cell: rows never depend on the other rows (both paths
-    are batch-invariant bit for bit, but they sum in different orders, so they differ in
-    the last bits from each other).
-    """
+    Dense attention reads all max_len entries of a slot; live blocks read only up to the
+    live context, in a device loop over the blocks. Prefill runs one row at a time, so its
+    blocks stop at the row's own length; decode runs every slot together, so its blocks stop
+    at the longest running context. On CPU (benchmarks/live_attention.py, BENCHMARKS.md)
+    live prefill took 0.4-0.9x the time of dense at every max_len measured (192-2048), so
+    auto (-1) always prefills by live blocks of 128. Live decode with contexts of 64-192
+    tokens ran 2.5-4x faster than dense at max_len 2048 and 1.1-1.6x at 512, but 0.8-1.0x at
+    192 (two blocks) and 0.65-1.2x when contexts fill a 1024 cache; so auto decodes by live
+    blocks from max_len >= 8 blocks (1024) and densely below. 0: dense everywhere; N: live
+    blocks of N everywhere. A static choice per cell: rows never depend on the other rows
+    (every path is batch-invariant bit for bit; dense and live differ in the last bits)."""
     if r.kv_block != -1:
-        return r.kv_block
-    return AUTO_KV_BLOCK if r.max_len >= LIVE_FROM * AUTO_KV_BLOCK else 0
+        return r.kv_block, r.kv_block
+    live_decode = r.max_len >= LIVE_DECODE_FROM * AUTO_KV_BLOCK
+    return AUTO_KV_BLOCK, AUTO_KV_BLOCK if live_decode else 0
 
 
 # Stop ids a request may give (the decode loop checks them on the device, padded with -1).
@@ -137,12 +140,13 @@ class Programs:
         base = sampler.base_key(r.seed)
         max_len = m
         top_p = float(r.top_p)
+        prefill_block, decode_block = kv_blocks(r)  # 0: dense attention over max_len
 
         def prefill_row(weights, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1,
                         temp_1):  # fmt: skip
             pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
             hidden, cache = gdec.forward_serving(
-                spec, weights, tokens_1xC, pos_1xC, cache, slot_1, start_1
+                spec, weights, tokens_1xC, pos_1xC, cache, slot_1, start_1, prefill_block
             )
             h_1x1xD = jnp.take_along_axis(hidden, last_1[:, None, None], axis=1)
             logits_1xV = gdec.serving_logits(spec, weights, h_1x1xD)[:, 0]
@@ -173,13 +177,11 @@ class Programs:
             _, cache, tok_S, lp_S = jax.lax.while_loop(lambda c: c[0] < rows, body, init)
             return cache, tok_S, lp_S
 
-        kv_block = kv_block_for(r)
-
         def decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
             """One token for every slot; rows with start >= max_len write nowhere."""
             hidden, cache = gdec.forward_serving(
                 spec, weights, tokens_S[:, None], start_S[:, None], cache, None, start_S,
-                kv_block,
+                decode_block,
             )
             logits_SxV = gdec.serving_logits(spec, weights, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
