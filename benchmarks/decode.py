@@ -16,7 +16,10 @@ as seconds per decode token step (a dispatch of ``decode_steps`` tokens counts t
 Rows are ``{"batch": B, "context_tokens": sum of the live contexts, "step_s": median}`` (as
 ``benchmarks/calibrate_cpu.py`` writes them), fitted by ``gyre.elastic.calibration``'s
 ``step_s = base + per_seq * batch + per_ctx * context_tokens``; the output says how well.
-``--write-calibration PATH`` writes them as a measured calibration whose other costs come
+The full sweep's cell (max_len above 1024) decodes by live KV blocks under the default
+``rollout.kv_block`` (gyre/rollout/programs.py ``kv_blocks``): its step follows the longest
+live context, which that model (a sum of contexts) does not capture; the quick sweep's cell
+decodes densely. ``--write-calibration PATH`` writes them as a measured calibration whose other costs come
 from ``--calibration-base`` (see gyre/elastic/calibration.py).
 
     source .venv/bin/activate && PYTHONPATH=. python benchmarks/decode.py [--quick] \
@@ -315,19 +318,21 @@ def print_load(rows, report, setting, shape_check) -> None:
         attention_text = (
             f"its attention (gyre/model/attention.py live_decode_attention) reads every slot's "
             f"cache in blocks of {setting['kv_block']} up to the longest live context, so a step "
-            "costs what the longest context needs for every slot, not the sum of the contexts"
+            "costs what the longest context needs for every slot, not the sum of the contexts. "
+            "Its cost is set by slots x the longest context: the fit's per-context term, "
+            "fed the sum, cannot follow it"
         )
     else:
         attention_text = (
             f"its attention (gyre/model/attention.py cached_attention) is dense over all "
             f"{setting['max_len']} cache positions of each, so every step reads the same "
-            f"{setting['kv_bytes_read_per_step'] / 2**20:.1f} MiB of KV whatever the load"
+            f"{setting['kv_bytes_read_per_step'] / 2**20:.1f} MiB of KV whatever the load. Its "
+            "cost is set by the cell's shape (slots x max_len): the fitted base holds for this "
+            "shape only"
         )
     print(
         f"where the linear model does not hold: the decode program runs all "
-        f"{setting['slots']} slots (idle ones computed and discarded) and {attention_text}. "
-        "Its cost is set by the cell's shape (slots x max_len): the fitted base holds for this "
-        "shape only."
+        f"{setting['slots']} slots (idle ones computed and discarded) and {attention_text}."
     )
     flat = max(f["per_seq_share"], f["per_ctx_share"]) < 0.1
     if flat:
@@ -403,7 +408,9 @@ def run_load(args, cell) -> dict:
         r["fit_s"] = cost.decode_step_s(r["batch"], r["context_tokens"])
     shape_check = None
     if not args.quick:  # the same load on a cell of a quarter the max_len
-        small = dataclasses.replace(spec, max_len=max(spec.max_len // 4, 64 + new))
+        # same attention as the big cell (auto would pick dense decode below max_len 1024)
+        small = dataclasses.replace(spec, max_len=max(spec.max_len // 4, 64 + new),
+                                    kv_block=kv_blocks(spec)[1])  # fmt: skip
         b, c = min(batches), min(contexts)
         (row,) = load_sweep(small, cell, state, [b], [c], new, repeats=3)
         ref = next(r for r in rows if r["batch"] == b and r["context_per_seq"] == c)

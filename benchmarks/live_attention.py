@@ -12,7 +12,8 @@ medians and from the fastest calls (best; a shared machine's other tenants only 
 down; "-" where a 1-token call took longer than the whole one); first ms = the median
 1-token call (prefill of the prompts and the first token).
 match = leading greedy tokens equal between the two (they sum in different orders, so a
-near tie may flip; every row printed says how many agree).
+near tie may flip; every row printed says how many agree); auto dec = the decode block
+auto (kv_block -1) picks at that max_len (0: dense; auto always prefills by live blocks).
 
     python benchmarks/live_attention.py [--quick] [--runs 5] [--block 128]
 """
@@ -126,14 +127,14 @@ def main(argv=None) -> dict:
     print(f"live kv blocks of {args.block} vs dense attention; decode tok/s, median of "
           f"{args.runs} alternating calls; best = ratio of the fastest calls; {new} new tokens")  # fmt: skip
     print(f"{'batch':>5} {'prompt':>6} {'max_len':>7} {'dense':>9} {'live':>9} {'ratio':>6} "
-          f"{'best':>6} {'match':>5} {'auto':>5} {'first ms dense':>14} {'live':>8}")  # fmt: skip
+          f"{'best':>6} {'match':>5} {'auto dec':>8} {'first ms dense':>14} {'live':>8}")  # fmt: skip
     for batch, prompt, max_len in QUICK_ROWS if args.quick else ROWS:
         r = compare(args.quick, cell, state, batch, prompt, max_len, new, args.runs, args.block)
         rows.append(r)
         f = lambda v, w, p: f"{'-':>{w}}" if v is None else f"{v:>{w}.{p}f}"  # noqa: E731
         print(f"{batch:>5} {prompt:>6} {max_len:>7} {f(r['dense_tok_s'], 9, 1)} "
               f"{f(r['live_tok_s'], 9, 1)} {f(r['ratio'], 6, 2)} {f(r['best_ratio'], 6, 2)} "
-              f"{r['match']:>5} {r['auto_kv_block']:>5} {r['dense_first_ms']:>14.1f} "
+              f"{r['match']:>5} {r['auto_kv_block']:>8} {r['dense_first_ms']:>14.1f} "
               f"{r['live_first_ms']:>8.1f}", flush=True)  # fmt: skip
     result = {"benchmark": "live_attention", "block": args.block, "new": new, "runs": args.runs,
               "quick": args.quick, "rows": rows}  # fmt: skip

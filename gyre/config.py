@@ -107,7 +107,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.cpu_vector_width = -1
     # Attention over the live part of the KV cache in blocks of this many entries
     # (gyre/rollout/programs.py kv_blocks): -1 auto (prefill live, decode live from max_len
-    # 1024), 0 dense over max_len.
+    # 1024; blocks of 128), 0 dense over max_len, N > 0 live blocks of N everywhere.
     c.rollout.kv_block = -1
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0

@@ -244,3 +244,22 @@ def test_kv_blocks_follow_the_setting_and_max_len(kv_block, max_len, want):
 def test_a_negative_kv_block_is_refused_by_name():
     with pytest.raises(ValueError, match="rollout.kv_block"):
         dataclasses.replace(SPEC, kv_block=-2)
+
+
+def test_one_slot_cell_decodes_by_live_blocks_exactly():
+    # One slot (the multiply-and-sum fold) with live blocks: the loop equals one token per
+    # dispatch bit for bit and the logprobs equal the full forward.
+    (cell,) = gmesh.make_cells(1, devices=jax.devices()[:1])
+    spec = dataclasses.replace(LIVE, slots=1)
+    reqs = [request(f"o{i}", prompt(80 + i, 9 + 20 * i), 14, t) for i, t in enumerate((0.0, 1.0))]
+    outs = {}
+    for steps in (1, 8):
+        engine = Engine(dataclasses.replace(spec, decode_steps=steps), cell, STATE)
+        rids = [engine.submit(r) for r in reqs]
+        done = engine.run_until_done()
+        outs[steps] = [done[r] for r in rids]
+    for req, one, loop in zip(reqs, outs[1], outs[8]):
+        np.testing.assert_array_equal(loop.tokens, one.tokens)
+        np.testing.assert_array_equal(loop.logprobs, one.logprobs)
+        np.testing.assert_allclose(loop.logprobs, reference_logprobs(req, loop.tokens), atol=1e-4)
+        assert loop.tokens.size == 14

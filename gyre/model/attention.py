@@ -352,19 +352,20 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     """One query per row against the live part of a slot KV cache, ``block`` entries at a time.
 
     q[B,1,H,Dh]; k_new/v_new[B,1,KVH,Dh]: the row's own key and value (at index pos);
-    k_cache/v_cache[B,KVH,M,Dh]; pos_B int[B]: the query's cache index. Row b attends to its
-    own k/v and to cache entries j < pos_B[b]; rows with pos >= M are idle (their output is
-    garbage and they set no work). ``live``: int scalar, max pos over running rows (computed
-    here when None; a caller with several layers passes it once, one reduction a step
-    instead of one per layer where slots are sharded). -> out[B,1,H,Dh].
+    k_cache/v_cache[B,KVH,M,Dh] as stored (cast to q's dtype a block at a time); pos_B int[B]:
+    the query's cache index. Row b attends to its own k/v and to cache entries j < pos_B[b];
+    rows with pos >= M are idle (their output is garbage and they set no work). ``live``:
+    int scalar, max pos over running rows (computed here when None; a caller with several
+    layers passes it once: one reduction a step where slots are sharded). -> out[B,1,H,Dh].
 
     An online softmax (flash-attention style) in a device loop over the blocks up to the
     longest live row, so a step costs what the live contexts need, not max_len: with
-    max_len 2048 and contexts under 200 tokens a decode loop runs 2.5-4x faster than dense
-    attention over the whole cache (benchmarks/live_attention.py). Rows are independent of
-    their batch bit for bit: the fold starts from the row's own k/v (a finite score), and a
-    block a shorter row cannot see scales its state by exp(0) = 1 and adds exact zeros. A
-    final block that would pass M is clamped in place and masks the entries it repeats."""
+    max_len 2048 and contexts under 200 tokens a decode loop ran 1.7-4.0x faster than dense
+    attention over the whole cache (2.6-4.0x on a quiet machine; benchmarks/live_attention.py).
+    Rows are independent of their batch bit for bit: the fold starts from the row's own k/v
+    (a finite score), and a block a shorter row cannot see scales its state by exp(0) = 1
+    and adds exact zeros. A final block that would pass M is clamped in place and masks the
+    entries it repeats."""
     b, _, h, d = q.shape
     kvh, m = k_cache.shape[1], k_cache.shape[2]
     if h % kvh:
@@ -373,8 +374,14 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  (products in f32, as the dots')
     q_BxKxGxD = f32(q.reshape(b, kvh, g, d))
     if b == 1:  # multiply-and-sum, not dots: see _decode_attention on B = 1
-        scores = lambda k: (q_BxKxGxD[0, :, :, None] * f32(k[0])[:, None]).sum(-1)[None]  # noqa: E731
-        mix = lambda p, v: (p[0][..., None] * f32(v[0])[:, None]).sum(-2)[None]  # noqa: E731
+        q_KxGxD = q_BxKxGxD[0]
+
+        def scores(k):
+            return (q_KxGxD[:, :, None] * f32(k[0])[:, None]).sum(-1)[None]
+
+        def mix(p, v):  # p rounded to v's dtype first, as the dots do
+            return (f32(p[0].astype(v.dtype))[..., None] * f32(v[0])[:, None]).sum(-2)[None]
+
     else:
         scores = lambda k: jnp.einsum(  # noqa: E731
             "bkgd,bkmd->bkgm", q_BxKxGxD.astype(k.dtype), k, preferred_element_type=jnp.float32
@@ -394,8 +401,10 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
         start = jnp.minimum(lo, m - blk)  # the last block stays inside the cache
         j = start + jnp.arange(blk)
         vis_BxN = (j[None, :] >= lo) & (j[None, :] < pos_B[:, None])
-        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=2)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_cache, start, blk, axis=2)
+        k_blk, v_blk = (  # only the block is cast, not the cache
+            jax.lax.dynamic_slice_in_dim(x, start, blk, axis=2).astype(q.dtype)
+            for x in (k_cache, v_cache)
+        )
         s = jnp.where(vis_BxN[:, None, None, :], scores(k_blk) * scale, -jnp.inf)
         m_new = jnp.maximum(m_run, s.max(-1))
         c = jnp.exp(m_run - m_new)
@@ -413,9 +422,10 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
 def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block):
     """Prefill attention of one row's chunk against the live blocks of its slot.
 
-    q[1,T,H,Dh]; k_cache/v_cache[S,KVH,M,Dh] (every slot; the chunk's own k/v already
-    written); slot int scalar; q_pos_1xT int: each query's cache index; kv_len_1 int: valid
-    entries. Query at index i sees entries j <= i, j < kv_len. An online softmax over blocks
+    q[1,T,H,Dh]; k_cache/v_cache[S,KVH,M,Dh] (every slot, as stored; the blocks read are
+    cast to q's dtype; the chunk's own k/v already written); slot int scalar; q_pos_1xT int
+    >= 0: each query's cache index; kv_len_1 int >= 1: valid entries (may pass M: a padded
+    chunk's tail). Query at index i sees entries j <= i, j < kv_len. An online softmax over blocks
     of ``block`` entries up to kv_len, read straight from the slot (no gather of its whole
     max_len row): the cost follows the row's context, not max_len. One row at a time, as the
     prefill program runs them, so the trip count is the row's own. -> out[1,T,H,Dh]."""
@@ -435,8 +445,10 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
         start = jnp.minimum(lo, m - blk)  # the last block stays inside the cache
         j = start + jnp.arange(blk)
         vis_TxN = (j[None, :] >= lo) & (j[None, :] <= q_pos_1xT[0, :, None]) & (j < kv_len_1[0])
-        read = lambda x: jax.lax.dynamic_slice(x, (slot, 0, start, 0), (1, kvh, blk, d))[0]  # noqa: E731
-        k_blk, v_blk = read(k_cache), read(v_cache)
+        k_blk, v_blk = (
+            jax.lax.dynamic_slice(x, (slot, 0, start, 0), (1, kvh, blk, d))[0].astype(q.dtype)
+            for x in (k_cache, v_cache)
+        )
         s = jnp.einsum("kgtd,kmd->kgtm", q_KxGxTxD.astype(k_blk.dtype), k_blk,
                        preferred_element_type=jnp.float32)  # fmt: skip
         s = jnp.where(vis_TxN, s * scale, -jnp.inf)

@@ -248,9 +248,9 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     ``slot_B=None``: row b is slot b, every slot (decode), which reads each layer's cache in
     place instead of gathering its rows. Layers run unrolled (static indices).
     ``kv_block`` > 0: attention reads the cache in blocks of that many entries up to the
-    longest live row instead of all max_len entries: decode with ``slot_B=None``
-    (:func:`attention.live_decode_attention`) and prefill of one row
-    (:func:`attention.live_prefill_attention`).
+    live context instead of all max_len entries: decode (T = 1, ``slot_B=None``) up to the
+    longest running row (:func:`attention.live_decode_attention`), prefill of one row (a
+    given slot) up to its own length (:func:`attention.live_prefill_attention`).
     """
     dtype = jnp.dtype(spec.dtype)
     t = tokens_BxT.shape[1]
@@ -261,23 +261,23 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     slot_BxT = jnp.broadcast_to(slot_B[:, None], idx_BxT.shape)
     x = weights["embed"].astype(dtype)[tokens_BxT]
     ks, vs = list(cache["k"]), list(cache["v"])
-    live = attention.live_length(start_B, ks[0].shape[2]) if kv_block else None
+    live_decode = bool(kv_block) and every and t == 1
+    live = attention.live_length(start_B, ks[0].shape[2]) if live_decode else None
     for i, p in enumerate(weights["layers"]):
         q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
         # [S, KVH, M, Dh] at (slot, :, idx): the indexed view is [B, T, KVH, Dh]
         ks[i] = ks[i].at[slot_BxT, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
         vs[i] = vs[i].at[slot_BxT, :, idx_BxT].set(v.astype(vs[i].dtype), mode="drop")
-        if kv_block and t == 1 and every:  # decode over the live blocks only
+        if live_decode:  # decode over the live blocks only
             k_own, v_own = (a.astype(ks[i].dtype).astype(dtype) for a in (k, v))  # as stored
             out = attention.live_decode_attention(
-                q, k_own, v_own, ks[i].astype(dtype), vs[i].astype(dtype), start_B, kv_block, live
+                q, k_own, v_own, ks[i], vs[i], start_B, kv_block, live
             )
             x = _finish_block(p, x, out, spec, dtype)
             continue
         if kv_block and not every and tokens_BxT.shape[0] == 1:  # one prefill row, live
             out = attention.live_prefill_attention(
-                q, ks[i].astype(dtype), vs[i].astype(dtype), slot_B[0], idx_BxT, start_B + t,
-                kv_block,
+                q, ks[i], vs[i], slot_B[0], idx_BxT, start_B + t, kv_block,
             )  # fmt: skip
             x = _finish_block(p, x, out, spec, dtype)
             continue

@@ -95,11 +95,14 @@ def kv_blocks(r: RolloutSpec) -> tuple[int, int]:
     at the longest running context. On CPU (benchmarks/live_attention.py, BENCHMARKS.md)
     live prefill took 0.4-0.9x the time of dense at every max_len measured (192-2048), so
     auto (-1) always prefills by live blocks of 128. Live decode with contexts of 64-192
-    tokens ran 2.5-4x faster than dense at max_len 2048 and 1.1-1.6x at 512, but 0.8-1.0x at
-    192 (two blocks) and 0.65-1.2x when contexts fill a 1024 cache; so auto decodes by live
-    blocks from max_len >= 8 blocks (1024) and densely below. 0: dense everywhere; N: live
-    blocks of N everywhere. A static choice per cell: rows never depend on the other rows
-    (every path is batch-invariant bit for bit; dense and live differ in the last bits)."""
+    tokens ran 1.7-4.0x faster than dense at max_len 2048 and 1.1-1.6x at 512, but 0.8-1.0x
+    at 192 (two blocks) and 0.65-1.2x when contexts fill a 1024 cache; the quick start
+    (max_len 512, agent contexts filling much of it) ran 20% slower end to end with live
+    decode. So auto decodes by live blocks from max_len >= 8 blocks (1024), where dense
+    attention's cost grows fastest, and densely below; a cell at max_len 512 whose contexts
+    stay short gains by setting 128. 0: dense everywhere; N: live blocks of N everywhere. A
+    static choice per cell: rows never depend on the other rows (every path is
+    batch-invariant bit for bit; dense and live differ in the last bits)."""
     if r.kv_block != -1:
         return r.kv_block, r.kv_block
     live_decode = r.max_len >= LIVE_DECODE_FROM * AUTO_KV_BLOCK
