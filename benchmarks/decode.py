@@ -16,10 +16,10 @@ as seconds per decode token step (a dispatch of ``decode_steps`` tokens counts t
 Rows are ``{"batch": B, "context_tokens": sum of the live contexts, "step_s": median}`` (as
 ``benchmarks/calibrate_cpu.py`` writes them), fitted by ``gyre.elastic.calibration``'s
 ``step_s = base + per_seq * batch + per_ctx * context_tokens``; the output says how well.
-The full sweep's cell (max_len above 1024) decodes by live KV blocks under the default
-``rollout.kv_block`` (gyre/rollout/programs.py ``kv_blocks``): its step follows the longest
-live context, which that model (a sum of contexts) does not capture; the quick sweep's cell
-decodes densely. ``--write-calibration PATH`` writes them as a measured calibration whose other costs come
+Rows also carry ``context_max`` (the longest live context; every row of a point holds the
+same), which adds a ``per_max_ctx * context_max`` term: the full sweep's cell (max_len above
+1024) decodes by live KV blocks under the default ``rollout.kv_block`` (gyre/rollout/
+programs.py ``kv_blocks``), and its step follows the longest live context, not the sum. ``--write-calibration PATH`` writes them as a measured calibration whose other costs come
 from ``--calibration-base`` (see gyre/elastic/calibration.py).
 
     source .venv/bin/activate && PYTHONPATH=. python benchmarks/decode.py [--quick] \
@@ -232,16 +232,22 @@ def load_sweep(spec, cell, state, batches, contexts, new: int, repeats: int) -> 
     for (b, c), got in rounds.items():
         step_s, ctx, steps = min(got)
         rows.append({"batch": b, "context_tokens": ctx, "step_s": step_s, "samples": steps,
-                     "context_per_seq": c, "tokens_per_s": b / step_s,
+                     # every live row holds the same context: the longest is the mean
+                     "context_max": ctx / b, "context_per_seq": c, "tokens_per_s": b / step_s,
                      "round_spread": max(g[0] for g in got) / step_s - 1})  # fmt: skip
     return rows
+
+
+def step_fit(cost, row: dict) -> float:
+    """The cost model's decode step for a measured row."""
+    return cost.decode_step_s(row["batch"], row["context_tokens"], row["context_max"])
 
 
 def fit_report(rows: list[dict], cost) -> dict:
     """How well ``cost.decode_step_s`` explains measured ``rows``: R^2, max and rms relative
     error, the worst row, and each term's share of the step where it is largest."""
     y = np.array([r["step_s"] for r in rows])
-    pred = np.array([cost.decode_step_s(r["batch"], r["context_tokens"]) for r in rows])
+    pred = np.array([step_fit(cost, r) for r in rows])
     rel = np.abs(pred - y) / y
     sst = float(np.sum((y - y.mean()) ** 2))
     r2 = round(1 - float(np.sum((pred - y) ** 2)) / sst, 9) + 0.0 if sst > 0 else None  # no -0.0
@@ -260,14 +266,18 @@ def fit_report(rows: list[dict], cost) -> dict:
         "spread": float(y.max() / y.min() - 1),
         "per_seq_share": cost.decode_per_seq_s * big["batch"] / big["step_s"],
         "per_ctx_share": cost.decode_per_ctx_token_s * long["context_tokens"] / long["step_s"],
+        "per_max_ctx_share": cost.decode_per_max_ctx_token_s * long["context_max"]
+        / long["step_s"],
         "decode_base_s": cost.decode_base_s,
         "decode_per_seq_s": cost.decode_per_seq_s,
         "decode_per_ctx_token_s": cost.decode_per_ctx_token_s,
+        "decode_per_max_ctx_token_s": cost.decode_per_max_ctx_token_s,
     }
 
 
-# The fields of a written decode row: the calibration's three, then what tells them apart.
-ROW_KEYS = ("batch", "context_tokens", "step_s", "samples", "context_per_seq", "round_spread")
+# The fields of a written decode row: the calibration's four, then what tells them apart.
+ROW_KEYS = ("batch", "context_tokens", "context_max", "step_s", "samples", "context_per_seq",
+            "round_spread")  # fmt: skip
 
 
 def calibration_spec(rows, setting: dict, base: str, command: str) -> dict:
@@ -305,36 +315,36 @@ def print_load(rows, report, setting, shape_check) -> None:
     r2 = "n/a (all equal)" if f["r2"] is None else f"{f['r2']:.3f}"
     print(
         f"linear fit step_s = {f['decode_base_s'] * 1e3:.4f} ms + {f['decode_per_seq_s'] * 1e6:.3f} "
-        f"us x batch + {f['decode_per_ctx_token_s'] * 1e9:.3f} ns x context_tokens: R^2 {r2}, "
+        f"us x batch + {f['decode_per_ctx_token_s'] * 1e9:.3f} ns x context_tokens + "
+        f"{f['decode_per_max_ctx_token_s'] * 1e9:.3f} ns x longest context: R^2 {r2}, "
         f"max relative error {f['max_rel_err']:.1%} (batch {f['worst']['batch']}, ctx "
         f"{f['worst']['context_per_seq']}), rms {f['rms_rel_err']:.1%}"
     )
     print(
         f"step time spread over the sweep {f['spread']:.0%}; batch term {f['per_seq_share']:.1%} "
-        f"of the step at batch {max(batches)}, context term {f['per_ctx_share']:.1%} of the "
-        "step at the longest contexts"
+        f"of the step at batch {max(batches)}, context terms {f['per_ctx_share']:.1%} (sum) "
+        f"and {f['per_max_ctx_share']:.1%} (longest) of the step at the longest contexts"
     )
     if setting["kv_block"]:
-        attention_text = (
-            f"its attention (gyre/model/attention.py live_decode_attention) reads every slot's "
-            f"cache in blocks of {setting['kv_block']} up to the longest live context, so a step "
-            "costs what the longest context needs for every slot, not the sum of the contexts. "
-            "Its cost is set by slots x the longest context: the fit's per-context term, "
-            "fed the sum, cannot follow it"
+        print(
+            f"what the fit's terms stand for: the decode program runs all {setting['slots']} "
+            "slots (idle ones computed and discarded) and its attention (gyre/model/"
+            f"attention.py live_decode_attention) reads every slot's cache in blocks of "
+            f"{setting['kv_block']} up to the longest live context, so a step costs what the "
+            "longest context needs for every slot (the longest-context term), not the sum "
+            "of the contexts; the fitted terms hold for this cell's slot count"
         )
     else:
-        attention_text = (
-            f"its attention (gyre/model/attention.py cached_attention) is dense over all "
-            f"{setting['max_len']} cache positions of each, so every step reads the same "
+        print(
+            f"where the linear model does not hold: the decode program runs all "
+            f"{setting['slots']} slots (idle ones computed and discarded) and its attention "
+            f"(gyre/model/attention.py cached_attention) is dense over all {setting['max_len']} "
+            f"cache positions of each, so every step reads the same "
             f"{setting['kv_bytes_read_per_step'] / 2**20:.1f} MiB of KV whatever the load. Its "
             "cost is set by the cell's shape (slots x max_len): the fitted base holds for this "
-            "shape only"
+            "shape only."
         )
-    print(
-        f"where the linear model does not hold: the decode program runs all "
-        f"{setting['slots']} slots (idle ones computed and discarded) and {attention_text}."
-    )
-    flat = max(f["per_seq_share"], f["per_ctx_share"]) < 0.1
+    flat = max(f["per_seq_share"], f["per_ctx_share"], f["per_max_ctx_share"]) < 0.1
     if flat:
         print(
             "measured: the live requests and their lengths barely move the step (terms above), "
@@ -405,7 +415,7 @@ def run_load(args, cell) -> dict:
     cost = calibration.from_dict(cal)  # the loader the simulator uses
     report = fit_report(rows, cost)
     for r in rows:
-        r["fit_s"] = cost.decode_step_s(r["batch"], r["context_tokens"])
+        r["fit_s"] = step_fit(cost, r)
     shape_check = None
     if not args.quick:  # the same load on a cell of a quarter the max_len
         # same attention as the big cell (auto would pick dense decode below max_len 1024)

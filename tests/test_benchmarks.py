@@ -123,11 +123,15 @@ def test_decode_load_sweep_writes_a_calibration_its_fit_reproduces(tmp_path):
     cost = calibration.load(str(path))  # the public loader, with the base it names
     base = calibration.load(spec["base"])
     assert cost.slots == res["slots"] == 8 and cost.prefill_per_token_s == base.prefill_per_token_s
-    rel = [abs(cost.decode_step_s(r["batch"], r["context_tokens"]) - r["step_s"]) / r["step_s"]
-           for r in rows]  # fmt: skip
+    step = lambda r: cost.decode_step_s(r["batch"], r["context_tokens"], r["context_max"])  # noqa: E731
+    rel = [abs(step(r) - r["step_s"]) / r["step_s"] for r in rows]
     assert max(rel) <= res["fit"]["max_rel_err"] * (1 + 1e-6) + 1e-12
     assert max(rel) == pytest.approx(spec["fit"]["max_rel_err"], rel=1e-6)
-    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"):
+    for r in rows:  # every live row of a point holds the same context
+        assert r["context_max"] == pytest.approx(r["context_tokens"] / r["batch"])
+    names = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s",
+             "decode_per_max_ctx_token_s")  # fmt: skip
+    for name in names:
         assert getattr(cost, name) == pytest.approx(spec["fit"][name], rel=1e-9, abs=1e-15), name
 
 

@@ -260,24 +260,30 @@ def test_decode_only_calibration_file_loads_by_path(tmp_path):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.integers(1, 64), st.floats(0, 1e5), st.floats(1e-4, 1e-1)),
+    st.lists(  # (batch, context tokens, longest context in parts of the sum, seconds)
+        st.tuples(st.integers(1, 64), st.integers(0, 100_000), st.floats(0, 1),
+                  st.floats(1e-4, 1e-1)),
         min_size=3, max_size=24,
-    )
+    ),
+    st.booleans(),
 )  # fmt: skip
-def test_decode_fit_is_the_non_negative_least_squares_fit(rows):
-    """Reference: scipy's NNLS on the same design; ours is never negative and never worse."""
+def test_decode_fit_is_the_non_negative_least_squares_fit(rows, with_max):
+    """Reference: scipy's NNLS on the same design; ours is never negative and never worse.
+    Contexts are whole token counts (a context of 1e-241 tokens made both solvers' designs
+    singular); with_max adds the longest-context column."""
     optimize = pytest.importorskip("scipy.optimize")
     import numpy as np
 
-    dec = np.array(rows, float)
-    design = np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]])
+    raw = np.array(rows, float)
+    cols = [raw[:, 0], raw[:, 1]] + ([np.round(raw[:, 1] * raw[:, 2])] if with_max else [])
+    dec = np.column_stack([*cols, raw[:, 3]])
+    design = np.column_stack([np.ones(len(dec)), dec[:, :-1]])
     coef = np.array(calibration._fit_decode(dec))
-    assert np.all(coef >= 0)
+    assert coef.shape == (design.shape[1],) and np.all(coef >= 0)
     # Column scaling keeps the reference solver well conditioned; it does not change the optimum.
     scale = np.maximum(np.abs(design).max(0), 1.0)
-    ref, _ = optimize.nnls(design / scale, dec[:, 2])
-    sse = lambda c: float(np.sum((design @ c - dec[:, 2]) ** 2))
+    ref, _ = optimize.nnls(design / scale, dec[:, -1])
+    sse = lambda c: float(np.sum((design @ c - dec[:, -1]) ** 2))  # noqa: E731
     assert sse(coef) <= sse(ref / scale) * (1 + 1e-6) + 1e-18
 
 
@@ -349,3 +355,42 @@ def test_bad_decode_sections_and_bases_are_named(tmp_path):
     path.write_text(json.dumps(bad_row))
     with pytest.raises(ValueError, match=r"loop.json: calibration 'decode' row 0 field 'step_s'"):
         calibration.load(str(path))
+
+
+def test_a_longest_context_term_is_fitted_when_every_row_names_it():
+    # An engine whose step follows the longest live context (live KV blocks): rows with mixed
+    # contexts, so the sum and the longest differ; the fit recovers both terms exactly.
+    truth = dataclasses.replace(COST, decode_per_ctx_token_s=2e-8,
+                                decode_per_max_ctx_token_s=3e-6)  # fmt: skip
+    rows = []
+    for b, short, long in [(1, 64, 64), (4, 64, 1024), (8, 256, 256), (16, 64, 512),
+                           (32, 512, 1024), (2, 128, 900), (12, 300, 300)]:  # fmt: skip
+        ctx = (b - 1) * short + long
+        rows.append({"batch": b, "context_tokens": ctx, "context_max": long,
+                     "step_s": truth.decode_step_s(b, ctx, long)})  # fmt: skip
+    spec = {"source": "test", "kind": "measured", "base": "cpu_measured", "decode": rows}
+    cost = calibration.from_dict(spec)
+    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s",
+                 "decode_per_max_ctx_token_s"):  # fmt: skip
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    del rows[3]["context_max"]  # one row without it: the three-term fit, no longest term
+    assert calibration.from_dict(spec).decode_per_max_ctx_token_s == 0.0
+
+
+def test_the_simulator_charges_the_longest_live_context():
+    # A short and a long call decode together on one cell; the step costs the longest live
+    # context (1000 + 20 / 2 = 1010 tokens), so the short call takes 20 such steps.
+    short = Call(prompt_tokens=10, completion_tokens=20, tool_latency_s=0.0, new_prompt_tokens=10)
+    long = Call(prompt_tokens=1000, completion_tokens=20, tool_latency_s=0.0,
+                new_prompt_tokens=1000)  # fmt: skip
+    steps = [[Execution("short", 0, (short,), 1e6), Execution("long", 0, (long,), 1e6)]]
+    flat = dataclasses.replace(COST, prefill_per_token_s=0.0, decode_per_seq_s=0.0,
+                               decode_base_s=1e-3)  # fmt: skip
+    by_max = dataclasses.replace(flat, decode_per_max_ctx_token_s=1e-4)
+    assert by_max.decode_step_s(2, 1030, 1010) == pytest.approx(1e-3 + 1e-4 * 1010)
+    ends = {}
+    for name, cost in (("flat", flat), ("by_max", by_max)):
+        out = simulate(steps, 1, "colocate", cost).outcomes
+        ends[name] = {e: out[e][2] - out[e][1] for e in ("short", "long")}
+    for e in ("short", "long"):
+        assert ends["by_max"][e] - ends["flat"][e] == pytest.approx(20 * 1e-4 * 1010, rel=1e-6)

@@ -6,7 +6,9 @@ A calibration is a JSON file under ``gyre/elastic/calibrations/`` with a mandato
 - ``"measured"``: timings of the real programs, fitted by least squares.
     decode:  [{"batch": b, "context_tokens": sum of contexts in the batch, "step_s": t}, ...]
              fits step_s = base + per_seq * batch + per_ctx * context_tokens (non-negative
-             least squares: a busier step never comes out cheaper)
+             least squares: a busier step never comes out cheaper); rows that all carry
+             ``"context_max"`` (the longest context in the batch) also fit a per_max_ctx
+             term (an engine whose step follows the longest context: live KV blocks)
     prefill: [{"tokens": n, "seconds": t}, ...]  fits seconds = per_token * tokens
     train:   [{"tokens": n, "seconds": t}, ...]  fits seconds = per_token * tokens (one cell)
     ``"intercepts": true`` fits prefill and train with a fixed cost each instead:
@@ -110,30 +112,44 @@ def _median(meas: dict, key: str, field: str) -> float:
     return float(np.median(vals)) if vals else 0.0
 
 
-def _fit_decode(dec: np.ndarray) -> tuple[float, float, float]:
-    """(base, per_seq, per_ctx) >= 0 by least squares over rows (batch, context_tokens, seconds).
+def _fit_decode(dec: np.ndarray) -> tuple[float, ...]:
+    """Coefficients >= 0 by least squares over rows (batch, context_tokens, [context_max,]
+    seconds) -> (base, per_seq, per_ctx[, per_max_ctx]).
 
     Non-negative least squares, exactly: the best least-squares fit over the subsets of the
-    three terms whose coefficients all come out >= 0 (a negative one is noise around zero, and
+    terms whose coefficients all come out >= 0 (a negative one is noise around zero, and
     would make a busier step cheaper). Equals the plain fit whenever that is >= 0.
     """
-    design = np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]])
-    y = dec[:, 2]
-    best, best_sse = np.zeros(3), float(np.dot(y, y))
-    for mask in itertools.product((True, False), repeat=3):  # the full model first
+    design = np.column_stack([np.ones(len(dec)), dec[:, :-1]])
+    y = dec[:, -1]
+    k = design.shape[1]
+    best, best_sse = np.zeros(k), float(np.dot(y, y))
+    for mask in itertools.product((True, False), repeat=k):  # the full model first
         cols = np.flatnonzero(mask)
         if not cols.size:
             continue
         coef, *_ = np.linalg.lstsq(design[:, cols], y, rcond=None)
         if np.any(coef < 0):
             continue
-        full = np.zeros(3)
+        full = np.zeros(k)
         full[cols] = coef
         sse = float(np.sum((design @ full - y) ** 2))
         if sse < best_sse * (1 - 1e-9):  # a simpler model wins only by fitting better
             best, best_sse = full, sse
-    base, per_seq, per_ctx = (float(c) for c in best)
-    return base, per_seq, per_ctx
+    return tuple(float(c) for c in best)
+
+
+def _decode_fields(meas: dict) -> dict:
+    """The decode terms of a measured calibration (with per_max_ctx when every row has it)."""
+    rows = meas.get("decode")
+    with_max = bool(rows) and isinstance(rows, list) and all(
+        isinstance(r, dict) and "context_max" in r for r in rows
+    )
+    cols = ("batch", "context_tokens", "context_max", "step_s") if with_max else DECODE_COLS
+    coef = _fit_decode(_rows(meas, "decode", cols))
+    names = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s",
+             "decode_per_max_ctx_token_s")  # fmt: skip
+    return dict(zip(names, coef))
 
 
 def fit(meas: dict, _chain: tuple[str, ...] = ()) -> CostModel:
@@ -143,8 +159,7 @@ def fit(meas: dict, _chain: tuple[str, ...] = ()) -> CostModel:
     costs; a section present here is fitted and replaces them.
     """
     base_cost = _load_base(meas, _chain) if "base" in meas else None
-    d_base, per_seq, per_ctx = _fit_decode(_rows(meas, "decode", DECODE_COLS))
-    fields = dict(decode_base_s=d_base, decode_per_seq_s=per_seq, decode_per_ctx_token_s=per_ctx)
+    fields = _decode_fields(meas)
     if base_cost is not None:
         fields = {**{k: getattr(base_cost, k) for k in _FIXED_KEYS}, **fields}
     for key, fixed, per_token in (

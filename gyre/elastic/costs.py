@@ -14,7 +14,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Seconds, per cell. decode_step_s(batch, ctx_sum) = base + per_seq*batch + per_ctx*ctx_sum."""
+    """Seconds, per cell. decode_step_s(batch, ctx_sum, ctx_max) = base + per_seq*batch +
+    per_ctx*ctx_sum + per_max_ctx*ctx_max."""
 
     decode_base_s: float
     decode_per_seq_s: float
@@ -45,13 +46,17 @@ class CostModel:
     train_per_ctx_token_s: float = 0.0  # attention in training: per token per context token
     weight_load_s: float = 0.0  # a rollout cell pauses this long to load new weights
     reduce_s: float = 0.0  # gradient bytes of one cell / link: ring all-reduce = 2(n-1)/n x this
+    # Decode per token of the longest live context: an engine that runs every slot up to it
+    # (gyre's live KV blocks) pays this, whatever the other contexts (0 = per context only).
+    decode_per_max_ctx_token_s: float = 0.0
     source: str = ""
 
-    def decode_step_s(self, batch: int, ctx_sum: float) -> float:
+    def decode_step_s(self, batch: int, ctx_sum: float, ctx_max: float = 0.0) -> float:
         return (
             self.decode_base_s
             + self.decode_per_seq_s * batch
             + self.decode_per_ctx_token_s * ctx_sum
+            + self.decode_per_max_ctx_token_s * ctx_max
         )
 
     def prefill_s(self, tokens: float, cached: float = 0.0) -> float:
@@ -126,10 +131,12 @@ class CostModel:
     def min_token_work_s(self, ctx: float) -> float:
         """Least cell-seconds one decoded token can cost: its share of a full-batch step.
 
-        With no slot cap (``slots`` 0, memory bounds the batch) the step's base is left out.
+        With no slot cap (``slots`` 0, memory bounds the batch) the step's base and its
+        longest-context term (shared by the batch, at least this token's ``ctx``) are left out.
         """
+        shared = self.decode_base_s + self.decode_per_max_ctx_token_s * ctx
         return (
-            (self.decode_base_s / self.slots if self.slots > 0 else 0.0)
+            (shared / self.slots if self.slots > 0 else 0.0)
             + self.decode_per_seq_s
             + self.decode_per_ctx_token_s * ctx
         )

@@ -2,9 +2,10 @@
 
 Model (every approximation is one line here, so results can be read against it):
 - A rollout cell decodes its live requests together. One decode step takes
-  ``a + k_b * batch + k_ctx * sum(context)`` seconds and gives every request one token, so
-  between events all requests on a cell progress at the same rate (fluid, exact for this
-  linear cost). A call's context is taken as prompt + completion / 2 for its whole decode.
+  ``a + k_b * batch + k_ctx * sum(context) + k_max * max(context)`` seconds (``k_max``: an
+  engine that runs every slot up to the longest context, as live KV blocks do; 0 in the
+  hardware projections) and gives every request one token, so between events all requests
+  on a cell progress at the same rate (fluid, exact for this cost). A call's context is taken as prompt + completion / 2 for its whole decode.
 - Prefills run one at a time per cell (FIFO) and pause that cell's decoding meanwhile.
 - Prefilling n tokens after c cached ones costs n x per-token + attention n x (c + n / 2) x
   per-context-token (``CostModel.prefill_s``; quadratic in the context when nothing is cached).
@@ -301,13 +302,16 @@ class Simulator:
 
     def _fastest(self, ex: Execution) -> float:
         c = self.cost
-        d = sum(
-            c.prefill_s(call.new_prompt_tokens, call.prompt_tokens - call.new_prompt_tokens)
-            + call.tool_latency_s
-            + call.completion_tokens
-            * c.decode_step_s(1, call.prompt_tokens + call.completion_tokens / 2)
-            for call in ex.calls
-        )
+
+        def call_s(call) -> float:  # alone on a cell: its context is the longest one
+            ctx = call.prompt_tokens + call.completion_tokens / 2  # the mean while decoding
+            return (
+                c.prefill_s(call.new_prompt_tokens, call.prompt_tokens - call.new_prompt_tokens)
+                + call.tool_latency_s
+                + call.completion_tokens * c.decode_step_s(1, ctx, ctx)
+            )
+
+        d = sum(call_s(call) for call in ex.calls)
         return min(d, ex.timeout_s)
 
     def _record(self, c: _Cell, force: bool = False) -> None:
@@ -636,7 +640,12 @@ class Simulator:
         """Seconds of one engine step on the cell now; 0 while nothing decodes."""
         if c.loading or (c.prefilling is not None and not self.mixed):
             return 0.0
-        step = self.cost.decode_step_s(len(c.active), c.ctx_sum) if c.active else 0.0
+        if not c.active:
+            step = 0.0
+        elif self.cost.decode_per_max_ctx_token_s:  # the longest live context, looked up
+            step = self.cost.decode_step_s(len(c.active), c.ctx_sum, max(r.ctx for r in c.active))
+        else:
+            step = self.cost.decode_step_s(len(c.active), c.ctx_sum)
         return step + (c.pf_step_s if c.prefilling is not None else 0.0)
 
     def _advance(self, c: _Cell) -> None:
