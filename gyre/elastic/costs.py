@@ -109,6 +109,8 @@ class CostModel:
         """Each simulated execution stands for m identical ones: per-request costs x m.
 
         Keeps event counts small at cluster scale; it removes the variance between copies.
+        The step's base and its longest-context term are per step, not per request: m
+        copies of a batch share them, so they stay as they are.
         """
         if m < 1 or self.slots % m:
             raise ValueError(f"replication {m} must be >= 1 and divide slots ({self.slots})")
