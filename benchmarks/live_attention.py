@@ -31,9 +31,8 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.vs_tunix import FULL_MODEL, QUICK_MODEL, make_prompts, match_length  # noqa: E402
+from benchmarks.vs_tunix import base_config, make_prompts, match_length  # noqa: E402
 from gyre import mesh as gmesh  # noqa: E402
-from gyre.config import default_config  # noqa: E402
 from gyre.model import decoder as gdec  # noqa: E402
 from gyre.rl.builder import build_specs  # noqa: E402
 from gyre.rollout.engine import Engine  # noqa: E402
@@ -63,10 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rollout_spec(quick: bool, batch: int, max_len: int, kv_block: int):
-    cfg = default_config()
-    for key, value in (QUICK_MODEL if quick else FULL_MODEL).items():
-        cfg.model[key] = value
-    cfg.model.dtype, cfg.model.tie_embeddings = "float32", False
+    cfg = base_config(quick)  # vs_tunix.py's architecture
     cfg.rollout.slots, cfg.rollout.max_len, cfg.rollout.kv_block = batch, max_len, kv_block
     return build_specs(cfg).rollout
 

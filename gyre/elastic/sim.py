@@ -5,7 +5,8 @@ Model (every approximation is one line here, so results can be read against it):
   ``a + k_b * batch + k_ctx * sum(context) + k_max * max(context)`` seconds (``k_max``: an
   engine that runs every slot up to the longest context, as live KV blocks do; 0 in the
   hardware projections) and gives every request one token, so between events all requests
-  on a cell progress at the same rate (fluid, exact for this cost). A call's context is taken as prompt + completion / 2 for its whole decode.
+  on a cell progress at the same rate (fluid, exact for this cost). A call's context is
+  taken as prompt + completion / 2 for its whole decode.
 - Prefills run one at a time per cell (FIFO) and pause that cell's decoding meanwhile.
 - Prefilling n tokens after c cached ones costs n x per-token + attention n x (c + n / 2) x
   per-context-token (``CostModel.prefill_s``; quadratic in the context when nothing is cached).

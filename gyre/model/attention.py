@@ -343,6 +343,27 @@ def _decode_attention(q, k_cache, v_cache, q_pos_B, kv_len_B):
     return out.reshape(b, 1, h, d).astype(q.dtype)
 
 
+def _live_block(i, blk: int, m: int):
+    """Block ``i`` of ``blk`` cache entries -> (lo, start, j): its nominal first index, where
+    it is read (a last block that would pass M is clamped inside the cache) and the indices
+    read, int[blk]; the caller masks j < lo (entries the block before already saw)."""
+    lo = i * blk
+    start = jnp.minimum(lo, m - blk)
+    return lo, start, start + jnp.arange(blk)
+
+
+def _fold_block(state, s, mix):
+    """One online-softmax step: state (running max, denominator, unnormalised output) and a
+    block's masked scores ``s[..., N]`` (-inf where not visible) -> the new state; ``mix(p)``:
+    p's product with the block's values. Against a finite running max, a block with no
+    visible entry leaves the state bit for bit: exp(0) = 1 and exact zeros."""
+    m_run, l_run, acc = state
+    m_new = jnp.maximum(m_run, s.max(-1))
+    c = jnp.exp(m_run - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    return m_new, l_run * c + p.sum(-1), acc * c[..., None] + mix(p)
+
+
 def live_length(pos_B, max_len):
     """Cache entries before the longest running row's query: max pos over rows < max_len."""
     return jnp.where(pos_B < max_len, pos_B, 0).max()
@@ -396,20 +417,14 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     acc_BxKxGxD = jnp.broadcast_to(f32(v_new.reshape(b, kvh, 1, d)), (b, kvh, g, d))
 
     def fold(i, state):
-        m_run, l_run, acc = state
-        lo = i * blk
-        start = jnp.minimum(lo, m - blk)  # the last block stays inside the cache
-        j = start + jnp.arange(blk)
+        lo, start, j = _live_block(i, blk, m)
         vis_BxN = (j[None, :] >= lo) & (j[None, :] < pos_B[:, None])
         k_blk, v_blk = (  # only the block is cast, not the cache
             jax.lax.dynamic_slice_in_dim(x, start, blk, axis=2).astype(q.dtype)
             for x in (k_cache, v_cache)
         )
         s = jnp.where(vis_BxN[:, None, None, :], scores(k_blk) * scale, -jnp.inf)
-        m_new = jnp.maximum(m_run, s.max(-1))
-        c = jnp.exp(m_run - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        return m_new, l_run * c + p.sum(-1), acc * c[..., None] + mix(p, v_blk)
+        return _fold_block(state, s, lambda p: mix(p, v_blk))
 
     if live is None:
         live = live_length(pos_B, m)
@@ -440,24 +455,21 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
     scale = 1.0 / math.sqrt(d)
 
     def fold(i, state):
-        m_run, l_run, acc = state
-        lo = i * blk
-        start = jnp.minimum(lo, m - blk)  # the last block stays inside the cache
-        j = start + jnp.arange(blk)
+        lo, start, j = _live_block(i, blk, m)
         vis_TxN = (j[None, :] >= lo) & (j[None, :] <= q_pos_1xT[0, :, None]) & (j < kv_len_1[0])
         k_blk, v_blk = (
             jax.lax.dynamic_slice(x, (slot, 0, start, 0), (1, kvh, blk, d))[0].astype(q.dtype)
             for x in (k_cache, v_cache)
         )
-        s = jnp.einsum("kgtd,kmd->kgtm", q_KxGxTxD.astype(k_blk.dtype), k_blk,
-                       preferred_element_type=jnp.float32)  # fmt: skip
+        s = jnp.einsum("kgtd,kmd->kgtm", q_KxGxTxD, k_blk, preferred_element_type=jnp.float32)
         s = jnp.where(vis_TxN, s * scale, -jnp.inf)
-        m_new = jnp.maximum(m_run, s.max(-1))  # finite from block 0 on: entry 0 is visible
-        c = jnp.exp(m_run - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        pv = jnp.einsum("kgtm,kmd->kgtd", p.astype(v_blk.dtype), v_blk,
-                        preferred_element_type=jnp.float32)  # fmt: skip
-        return m_new, l_run * c + p.sum(-1), acc * c[..., None] + pv
+
+        def mix(p):
+            return jnp.einsum("kgtm,kmd->kgtd", p.astype(v_blk.dtype), v_blk,
+                              preferred_element_type=jnp.float32)  # fmt: skip
+
+        # the running max starts at -inf and is finite from block 0 on (entry 0 is visible)
+        return _fold_block(state, s, mix)
 
     init = (jnp.full((kvh, g, t), -jnp.inf), jnp.zeros((kvh, g, t)), jnp.zeros((kvh, g, t, d)))
     n_blocks = (jnp.minimum(kv_len_1[0], m) + blk - 1) // blk

@@ -262,6 +262,7 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     x = weights["embed"].astype(dtype)[tokens_BxT]
     ks, vs = list(cache["k"]), list(cache["v"])
     live_decode = bool(kv_block) and every and t == 1
+    live_prefill = bool(kv_block) and not every and tokens_BxT.shape[0] == 1
     live = attention.live_length(start_B, ks[0].shape[2]) if live_decode else None
     for i, p in enumerate(weights["layers"]):
         q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
@@ -275,7 +276,7 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
             )
             x = _finish_block(p, x, out, spec, dtype)
             continue
-        if kv_block and not every and tokens_BxT.shape[0] == 1:  # one prefill row, live
+        if live_prefill:  # one prefill row over its live blocks
             out = attention.live_prefill_attention(
                 q, ks[i], vs[i], slot_B[0], idx_BxT, start_B + t, kv_block,
             )  # fmt: skip
