@@ -173,6 +173,16 @@ def naive_cached(q, k_cache, v_cache, q_pos_index, kv_len):
     return out
 
 
+def k_layout(x):
+    """[B, M, KVH, Dh] (the reader's layout) -> the cache's K, [B, KVH, Dh, M]."""
+    return jnp.transpose(jnp.asarray(x), (0, 2, 3, 1))
+
+
+def v_layout(x):
+    """[B, M, KVH, Dh] -> the cache's V, [B, KVH, M, Dh]."""
+    return jnp.swapaxes(jnp.asarray(x), 1, 2)
+
+
 def test_cached_attention_decode_and_prefill():
     m = 24
     q, _, _, _ = random_qkv(6, t=3)
@@ -183,10 +193,7 @@ def test_cached_attention_decode_and_prefill():
     # with entries beyond kv_len holding garbage that must not leak in.
     q_pos_index = jnp.array([[5, 6, 7], [20, 21, 22]], jnp.int32)
     kv_len = jnp.array([8, 23], jnp.int32)
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  the cache's [B, KVH, M, Dh]
-    out = attention.cached_attention(
-        q, heads_first(k_cache), heads_first(v_cache), q_pos_index, kv_len
-    )
+    out = attention.cached_attention(q, k_layout(k_cache), v_layout(v_cache), q_pos_index, kv_len)
     ref = naive_cached(*(np.asarray(x) for x in (q, k_cache, v_cache, q_pos_index, kv_len)))
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
@@ -202,10 +209,7 @@ def test_one_query_decode_matches_the_loop_reference(b):
     # 0) and an idle row aimed past the cache (pos = kv_len - 1 = m), which sees every entry.
     pos = jnp.array([9, 0, m][:b], jnp.int32)[:, None]
     kv_len = pos[:, 0] + 1
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    out = jax.jit(attention.cached_attention)(
-        q, heads_first(k_cache), heads_first(v_cache), pos, kv_len
-    )
+    out = jax.jit(attention.cached_attention)(q, k_layout(k_cache), v_layout(v_cache), pos, kv_len)
     ref = naive_cached(*(np.asarray(x) for x in (q, k_cache, v_cache, pos, kv_len)))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out, ref, atol=1e-5)
@@ -214,15 +218,13 @@ def test_one_query_decode_matches_the_loop_reference(b):
 def test_cached_attention_equals_causal_tree_attention():
     q, k, v, _ = random_qkv(8)
     positions = jnp.broadcast_to(jnp.arange(T), (2, T))
-    out = attention.cached_attention(
-        q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), positions, jnp.full((2,), T)
-    )
+    out = attention.cached_attention(q, k_layout(k), v_layout(v), positions, jnp.full((2,), T))
     ref = attention.dense_attention(q, k, v, jnp.full((2, T), T, jnp.int32))
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
 def live_inputs(seed, pos, m):
-    """q[B,1,H,Dh], own k/v [B,1,KVH,Dh] and a cache [B,KVH,M,Dh] of random (garbage past
+    """q[B,1,H,Dh], own k/v [B,1,KVH,Dh] and a cache (K [B,KVH,Dh,M], V [B,KVH,M,Dh]) of random (garbage past
     each row's pos) entries; the row's own k/v are also written at its pos (as the engine
     does), so naive_cached over entries j <= pos is the reference."""
     b = len(pos)
@@ -233,9 +235,8 @@ def live_inputs(seed, pos, m):
     for i, p in enumerate(pos):
         if p < m:
             k_cache[i, p], v_cache[i, p] = k_own[i, 0], v_own[i, 0]
-    heads_first = lambda x: jnp.swapaxes(jnp.asarray(x), 1, 2)  # noqa: E731
     own = (jnp.asarray(k_own), jnp.asarray(v_own))
-    return q, *own, heads_first(k_cache), heads_first(v_cache), (k_cache, v_cache)
+    return q, *own, k_layout(k_cache), v_layout(v_cache), (k_cache, v_cache)
 
 
 live = jax.jit(attention.live_decode_attention, static_argnums=6)
@@ -296,17 +297,18 @@ def test_live_prefill_attention_matches_the_loop_reference(start, t, block):
     # other slots): equal to softmax over j <= pos, j < kv_len, for every query inside M.
     m, slot = 24, 2
     q, _, _, _ = random_qkv(21, b=1, t=t)
-    k_cache, v_cache = (
-        jax.random.normal(key, (3, KVH, m, DH)) for key in jax.random.split(jax.random.key(22))
+    k_np, v_np = (
+        jax.random.normal(key, (3, m, KVH, DH)) for key in jax.random.split(jax.random.key(22))
     )
+    k_cache, v_cache = k_layout(k_np), v_layout(v_np)
     q_pos = jnp.arange(start, start + t, dtype=jnp.int32)[None]
     kv_len = jnp.array([start + t], jnp.int32)
     out = jax.jit(attention.live_prefill_attention, static_argnums=6)(
         q, k_cache, v_cache, jnp.int32(slot), q_pos, kv_len, block
     )
     inside = min(t, m - start)  # queries at a cache index (a padded tail past M is ignored)
-    rows = lambda x: np.asarray(jnp.swapaxes(x[slot : slot + 1], 1, 2))  # noqa: E731
-    ref = naive_cached(np.asarray(q), rows(k_cache), rows(v_cache), np.asarray(q_pos),
+    rows = lambda x: np.asarray(x[slot : slot + 1])  # noqa: E731
+    ref = naive_cached(np.asarray(q), rows(k_np), rows(v_np), np.asarray(q_pos),
                        np.minimum(kv_len, m))  # fmt: skip
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out[:, :inside], ref[:, :inside], atol=1e-5)
@@ -314,7 +316,7 @@ def test_live_prefill_attention_matches_the_loop_reference(start, t, block):
 
 def test_live_prefill_attention_takes_one_row():
     q, _, _, _ = random_qkv(23, b=2, t=3)
-    cache = jnp.zeros((3, KVH, 8, DH))
+    k_cache, v_cache = jnp.zeros((3, KVH, DH, 8)), jnp.zeros((3, KVH, 8, DH))
     with pytest.raises(ValueError, match="one row"):
-        attention.live_prefill_attention(q, cache, cache, 0, jnp.zeros((2, 3), jnp.int32),
+        attention.live_prefill_attention(q, k_cache, v_cache, 0, jnp.zeros((2, 3), jnp.int32),
                                          jnp.array([3, 3]), 4)  # fmt: skip

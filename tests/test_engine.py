@@ -152,10 +152,13 @@ def test_model_parallel_cell_shards_kv_heads_and_agrees(kv_block):
     spec = dataclasses.replace(SPEC, kv_block=kv_block)
     dp_out, dp = run_alone(CELLS[0], [req], spec=spec)
     mp_out, mp = run_alone(mp_cell, [req], spec=spec)
-    k_dp, k_mp = dp.cache["k"][0], mp.cache["k"][0]  # one layer's [S, KVH, M, Dh]
-    assert len(dp.cache["k"]) == 2 and k_dp.shape == (4, 2, 64, 16)
-    assert k_dp.sharding.shard_shape(k_dp.shape) == (2, 2, 64, 16)  # slots over data
-    assert k_mp.sharding.shard_shape(k_mp.shape) == (4, 1, 64, 16)  # kv heads over model
+    k_dp, k_mp = dp.cache["k"][0], mp.cache["k"][0]  # one layer's K [S, KVH, Dh, M]
+    v_dp, v_mp = dp.cache["v"][0], mp.cache["v"][0]  # and V [S, KVH, M, Dh]
+    assert len(dp.cache["k"]) == 2 and k_dp.shape == (4, 2, 16, 64)
+    assert k_dp.sharding.shard_shape(k_dp.shape) == (2, 2, 16, 64)  # slots over data
+    assert k_mp.sharding.shard_shape(k_mp.shape) == (4, 1, 16, 64)  # kv heads over model
+    assert v_dp.sharding.shard_shape(v_dp.shape) == (2, 2, 64, 16)
+    assert v_mp.sharding.shard_shape(v_mp.shape) == (4, 1, 64, 16)
     np.testing.assert_array_equal(mp_out[0].tokens, dp_out[0].tokens)
     np.testing.assert_allclose(mp_out[0].logprobs, dp_out[0].logprobs, atol=1e-5)
 

@@ -285,21 +285,22 @@ def attend(q, k, v, leave, impl: str = "block_sparse", block: int = 128):
 def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     """Decode/prefill attention over a slot KV cache (causal within the slot).
 
-    q[B,T,H,Dh]; k_cache/v_cache[B,KVH,M,Dh] (each head's positions contiguous, so the
-    contractions read the cache as stored); q_pos_index[B,T] int: the cache index of each
-    query; kv_len[B] int: valid cache entries. Query at index i sees entries j <= i,
-    j < kv_len. Dense over all M entries (rollout.kv_block 0; :func:`live_decode_attention`
-    and :func:`live_prefill_attention` read only the live blocks).
+    q[B,T,H,Dh]; k_cache[B,KVH,Dh,M], v_cache[B,KVH,M,Dh] (the cache's layouts,
+    decoder.CACHE_AXES: both contractions read it as stored); q_pos_index[B,T] int: the
+    cache index of each query; kv_len[B] int: valid cache entries. Query at index i sees
+    entries j <= i, j < kv_len. Dense over all M entries (rollout.kv_block 0;
+    :func:`live_decode_attention` and :func:`live_prefill_attention` read only the live
+    blocks).
     """
     b, t, h, d = q.shape
-    kvh, m = k_cache.shape[1], k_cache.shape[2]
+    kvh, m = v_cache.shape[1], v_cache.shape[2]
     if h % kvh:
         raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
     if t == 1:
         return _decode_attention(q, k_cache, v_cache, q_pos_index[:, 0], kv_len)
     q_BxTxKxGxD = q.reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum(
-        "btkgd,bkmd->bkgtm", q_BxTxKxGxD, k_cache, preferred_element_type=jnp.float32
+        "btkgd,bkdm->bkgtm", q_BxTxKxGxD, k_cache, preferred_element_type=jnp.float32
     ) / math.sqrt(d)
     j = jnp.arange(m)
     vis_BxTxM = (j[None, None, :] <= q_pos_index[:, :, None]) & (
@@ -322,21 +323,22 @@ def _decode_attention(q, k_cache, v_cache, q_pos_B, kv_len_B):
     with B = 1 XLA:CPU drops the unit axis from the dot's operand, fuses that reshape into
     the cache write, duplicates the write and copies every layer's cache four times a step
     (a 13-25% slower decode loop at batch 1); a sum reads the written cache in place, and
-    one over [KVH, G, M, Dh] rather than [1, KVH, G, M, Dh] is 3-9% faster again. At B > 1
-    the dots are 0-7% faster."""
+    one without the unit batch axis is 3-9% faster again. At B > 1 the dots are 0-7% faster.
+    K's positions are minor (``[KVH, Dh, M]`` per row): the scores are a plain product per
+    head, no transpose of the cache (see decoder.CACHE_AXES)."""
     b, _, h, d = q.shape
-    kvh, m = k_cache.shape[1], k_cache.shape[2]
+    kvh, m = v_cache.shape[1], v_cache.shape[2]
     j = jnp.arange(m)
     if b == 1:
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  (products in f32, as the dots')
         q_KxGxD = f32(q.reshape(kvh, h // kvh, d))
-        s = (q_KxGxD[:, :, None, :] * f32(k_cache[0])[:, None, :, :]).sum(-1) / math.sqrt(d)
+        s = (q_KxGxD[..., None] * f32(k_cache[0])[:, None]).sum(-2) / math.sqrt(d)
         vis_M = (j <= q_pos_B[0]) & (j < kv_len_B[0])
         p = _visible_softmax(s, vis_M[None, None, :]).astype(v_cache.dtype)
         out = (f32(p)[..., None] * f32(v_cache[0])[:, None, :, :]).sum(-2)
         return out.reshape(1, 1, h, d).astype(q.dtype)
     q_BxKxGxD = q.reshape(b, kvh, h // kvh, d)
-    s = jnp.einsum("bkgd,bkmd->bkgm", q_BxKxGxD, k_cache, preferred_element_type=jnp.float32)
+    s = jnp.einsum("bkgd,bkdm->bkgm", q_BxKxGxD, k_cache, preferred_element_type=jnp.float32)
     vis_BxM = (j[None, :] <= q_pos_B[:, None]) & (j[None, :] < kv_len_B[:, None])
     p = _visible_softmax(s / math.sqrt(d), vis_BxM[:, None, None, :]).astype(v_cache.dtype)
     out = jnp.einsum("bkgm,bkmd->bkgd", p, v_cache, preferred_element_type=jnp.float32)
@@ -373,11 +375,12 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     """One query per row against the live part of a slot KV cache, ``block`` entries at a time.
 
     q[B,1,H,Dh]; k_new/v_new[B,1,KVH,Dh]: the row's own key and value (at index pos);
-    k_cache/v_cache[B,KVH,M,Dh] as stored (cast to q's dtype a block at a time); pos_B int[B]:
-    the query's cache index. Row b attends to its own k/v and to cache entries j < pos_B[b];
-    rows with pos >= M are idle (their output is garbage and they set no work). ``live``:
-    int scalar, max pos over running rows (computed here when None; a caller with several
-    layers passes it once: one reduction a step where slots are sharded). -> out[B,1,H,Dh].
+    k_cache[B,KVH,Dh,M], v_cache[B,KVH,M,Dh] as stored (decoder.CACHE_AXES; cast to q's
+    dtype a block at a time); pos_B int[B]: the query's cache index. Row b attends to its
+    own k/v and to cache entries j < pos_B[b]; rows with pos >= M are idle (their output is
+    garbage and they set no work). ``live``: int scalar, max pos over running rows
+    (computed here when None; a caller with several layers passes it once: one reduction a
+    step where slots are sharded). -> out[B,1,H,Dh].
 
     An online softmax (flash-attention style) in a device loop over the blocks up to the
     longest live row, so a step costs what the live contexts need, not max_len: with
@@ -388,7 +391,7 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     and adds exact zeros. A final block that would pass M is clamped in place and masks the
     entries it repeats."""
     b, _, h, d = q.shape
-    kvh, m = k_cache.shape[1], k_cache.shape[2]
+    kvh, m = v_cache.shape[1], v_cache.shape[2]
     if h % kvh:
         raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
     g, blk = h // kvh, min(block, m)
@@ -398,14 +401,14 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
         q_KxGxD = q_BxKxGxD[0]
 
         def scores(k):
-            return (q_KxGxD[:, :, None] * f32(k[0])[:, None]).sum(-1)[None]
+            return (q_KxGxD[..., None] * f32(k[0])[:, None]).sum(-2)[None]
 
         def mix(p, v):  # p rounded to v's dtype first, as the dots do
             return (f32(p[0].astype(v.dtype))[..., None] * f32(v[0])[:, None]).sum(-2)[None]
 
     else:
         scores = lambda k: jnp.einsum(  # noqa: E731
-            "bkgd,bkmd->bkgm", q_BxKxGxD.astype(k.dtype), k, preferred_element_type=jnp.float32
+            "bkgd,bkdm->bkgm", q_BxKxGxD.astype(k.dtype), k, preferred_element_type=jnp.float32
         )
         mix = lambda p, v: jnp.einsum(  # noqa: E731
             "bkgm,bkmd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
@@ -419,10 +422,9 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     def fold(i, state):
         lo, start, j = _live_block(i, blk, m)
         vis_BxN = (j[None, :] >= lo) & (j[None, :] < pos_B[:, None])
-        k_blk, v_blk = (  # only the block is cast, not the cache
-            jax.lax.dynamic_slice_in_dim(x, start, blk, axis=2).astype(q.dtype)
-            for x in (k_cache, v_cache)
-        )
+        # only the block is cast, not the cache; K's positions are its last axis
+        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=3).astype(q.dtype)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_cache, start, blk, axis=2).astype(q.dtype)
         s = jnp.where(vis_BxN[:, None, None, :], scores(k_blk) * scale, -jnp.inf)
         return _fold_block(state, s, lambda p: mix(p, v_blk))
 
@@ -437,15 +439,16 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
 def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block):
     """Prefill attention of one row's chunk against the live blocks of its slot.
 
-    q[1,T,H,Dh]; k_cache/v_cache[S,KVH,M,Dh] (every slot, as stored; the blocks read are
-    cast to q's dtype; the chunk's own k/v already written); slot int scalar; q_pos_1xT int
-    >= 0: each query's cache index; kv_len_1 int >= 1: valid entries (may pass M: a padded
-    chunk's tail). Query at index i sees entries j <= i, j < kv_len. An online softmax over blocks
-    of ``block`` entries up to kv_len, read straight from the slot (no gather of its whole
-    max_len row): the cost follows the row's context, not max_len. One row at a time, as the
-    prefill program runs them, so the trip count is the row's own. -> out[1,T,H,Dh]."""
+    q[1,T,H,Dh]; k_cache[S,KVH,Dh,M], v_cache[S,KVH,M,Dh] (every slot, as stored; the
+    blocks read are cast to q's dtype; the chunk's own k/v already written); slot int
+    scalar; q_pos_1xT int >= 0: each query's cache index; kv_len_1 int >= 1: valid entries
+    (may pass M: a padded chunk's tail). Query at index i sees entries j <= i, j < kv_len.
+    An online softmax over blocks of ``block`` entries up to kv_len, read straight from the
+    slot (no gather of its whole max_len row): the cost follows the row's context, not
+    max_len. One row at a time, as the prefill program runs them, so the trip count is the
+    row's own. -> out[1,T,H,Dh]."""
     b, t, h, d = q.shape
-    kvh, m = k_cache.shape[1], k_cache.shape[2]
+    kvh, m = v_cache.shape[1], v_cache.shape[2]
     if b != 1:
         raise ValueError(f"live_prefill_attention takes one row, got {b}")
     if h % kvh:
@@ -457,11 +460,10 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
     def fold(i, state):
         lo, start, j = _live_block(i, blk, m)
         vis_TxN = (j[None, :] >= lo) & (j[None, :] <= q_pos_1xT[0, :, None]) & (j < kv_len_1[0])
-        k_blk, v_blk = (
-            jax.lax.dynamic_slice(x, (slot, 0, start, 0), (1, kvh, blk, d))[0].astype(q.dtype)
-            for x in (k_cache, v_cache)
-        )
-        s = jnp.einsum("kgtd,kmd->kgtm", q_KxGxTxD, k_blk, preferred_element_type=jnp.float32)
+        k_blk = jax.lax.dynamic_slice(k_cache, (slot, 0, 0, start), (1, kvh, d, blk))[0]
+        v_blk = jax.lax.dynamic_slice(v_cache, (slot, 0, start, 0), (1, kvh, blk, d))[0]
+        k_blk, v_blk = k_blk.astype(q.dtype), v_blk.astype(q.dtype)
+        s = jnp.einsum("kgtd,kdm->kgtm", q_KxGxTxD, k_blk, preferred_element_type=jnp.float32)
         s = jnp.where(vis_TxN, s * scale, -jnp.inf)
 
         def mix(p):

@@ -38,7 +38,23 @@ LAYER_AXES = {
     "up": ("embed", "mlp"),
     "down": ("mlp", "embed"),
 }
-CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")  # one layer's K (or V)
+# One layer's K and V in the slot KV cache. K is stored positions-minor, [S, KVH, Dh, M], so
+# the score contraction q.K reads it as a plain [Dh] x [Dh, M] product per head; V is stored
+# [S, KVH, M, Dh], the layout of the p.V product. With K like V (positions before Dh) XLA:CPU
+# transposed each head's K block inside the attention of every step: decode loops 1.1-1.4x
+# slower at batch 8 and 32 (BENCHMARKS.md, "Rollout engine decode").
+CACHE_AXES = {
+    "k": ("batch", "kv_heads", "head_dim", "length"),
+    "v": ("batch", "kv_heads", "length", "head_dim"),
+}
+
+
+def cache_shapes(num_slots: int, num_kv_heads: int, max_len: int, head_dim: int) -> dict:
+    """{'k','v'} -> one layer's cache shape (:data:`CACHE_AXES`)."""
+    return {
+        "k": (num_slots, num_kv_heads, head_dim, max_len),
+        "v": (num_slots, num_kv_heads, max_len, head_dim),
+    }
 
 
 def _dense_init(key, shape, fan_in):
@@ -185,14 +201,17 @@ class Decoder(nnx.Module):
         return serving_logits(self.spec, self.serving_weights(layers=False), hidden_BxNxD)
 
     def init_cache(self, num_slots: int, max_len: int, dtype=jnp.float32):
-        """Empty slot KV cache: {'k','v'}: L arrays [S, KVH, M, Dh] (axes CACHE_AXES).
+        """Empty slot KV cache: {'k': L arrays [S, KVH, Dh, M], 'v': L arrays [S, KVH, M, Dh]}
+        (:data:`CACHE_AXES`).
 
         One array per layer, heads before positions: a decode step reads each layer's K/V
         in place, in the layout attention contracts it (a stacked [L, ...] cache indexed
         inside a loop over layers is copied out layer by layer, every step)."""
         spec = self.spec
-        shape = (num_slots, spec.num_kv_heads, max_len, spec.head_dim)
-        return {k: tuple(jnp.zeros(shape, dtype) for _ in range(spec.num_layers)) for k in "kv"}
+        shapes = cache_shapes(num_slots, spec.num_kv_heads, max_len, spec.head_dim)
+        return {
+            k: tuple(jnp.zeros(shapes[k], dtype) for _ in range(spec.num_layers)) for k in "kv"
+        }
 
     def unstack_layers(self) -> list[dict]:
         """The stacked layer parameters as one dict of arrays per layer (a copy)."""
@@ -263,11 +282,12 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
     ks, vs = list(cache["k"]), list(cache["v"])
     live_decode = bool(kv_block) and every and t == 1
     live_prefill = bool(kv_block) and not every and tokens_BxT.shape[0] == 1
-    live = attention.live_length(start_B, ks[0].shape[2]) if live_decode else None
+    live = attention.live_length(start_B, vs[0].shape[2]) if live_decode else None
     for i, p in enumerate(weights["layers"]):
         q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
-        # [S, KVH, M, Dh] at (slot, :, idx): the indexed view is [B, T, KVH, Dh]
-        ks[i] = ks[i].at[slot_BxT, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
+        # K [S, KVH, Dh, M] at (slot, :, :, idx) and V [S, KVH, M, Dh] at (slot, :, idx): both
+        # indexed views are [B, T, KVH, Dh] (the advanced indices' axes come first)
+        ks[i] = ks[i].at[slot_BxT, :, :, idx_BxT].set(k.astype(ks[i].dtype), mode="drop")
         vs[i] = vs[i].at[slot_BxT, :, idx_BxT].set(v.astype(vs[i].dtype), mode="drop")
         if live_decode:  # decode over the live blocks only
             k_own, v_own = (a.astype(ks[i].dtype).astype(dtype) for a in (k, v))  # as stored
@@ -282,9 +302,9 @@ def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, 
             )  # fmt: skip
             x = _finish_block(p, x, out, spec, dtype)
             continue
-        k_BxKxMxDh = (ks[i] if every else ks[i][slot_B]).astype(dtype)
+        k_BxKxDhxM = (ks[i] if every else ks[i][slot_B]).astype(dtype)
         v_BxKxMxDh = (vs[i] if every else vs[i][slot_B]).astype(dtype)
-        out = attention.cached_attention(q, k_BxKxMxDh, v_BxKxMxDh, idx_BxT, start_B + t)
+        out = attention.cached_attention(q, k_BxKxDhxM, v_BxKxMxDh, idx_BxT, start_B + t)
         x = _finish_block(p, x, out, spec, dtype)
     x = rms_norm(x, weights["final_norm"], spec.rms_eps)
     return x, {"k": tuple(ks), "v": tuple(vs)}
@@ -304,7 +324,7 @@ def param_logical_axes(model_or_state):
 
 def cache_logical_axes(num_layers: int):
     """Logical axes of init_cache's pytree (slots over 'batch', kv heads over 'kv_heads')."""
-    return {k: (CACHE_AXES,) * num_layers for k in "kv"}
+    return {k: (CACHE_AXES[k],) * num_layers for k in "kv"}
 
 
 def abstract_model(cfg_model, seed: int = 0):

@@ -1,10 +1,12 @@
 """Rollout engine: one per rollout cell, a slot KV cache, a KV token pool, continuous batching.
 
-The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k','v'}: L x [S, KVH, M, Dh],
-slots over the cell's 'data' axis via logical 'batch', kv heads over 'model'). Two jit
-programs per cell (see :class:`gyre.rollout.programs.Programs`), each with one fixed shape: a prefill of one
-``prefill_chunk`` for one slot, and a decode step of one token for every slot at once
-(inactive slots write nowhere and their outputs are ignored). The engine is driven by
+The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k': L x [S, KVH, Dh, M],
+'v': L x [S, KVH, M, Dh]}, gyre.model.decoder.CACHE_AXES; slots over the cell's 'data' axis
+via logical 'batch', kv heads over 'model'). The jit programs of a cell
+(:class:`gyre.rollout.programs.Programs`) each have one fixed shape: a prefill of one
+``prefill_chunk`` for each of up to ``slots`` slots, and a decode loop of up to
+``decode_steps`` tokens for every slot at once (inactive slots write nowhere and their
+outputs are ignored). The engine is driven by
 explicit :meth:`Engine.step` calls, so it is deterministic; the proxy drives engines from
 asyncio. Between two steps requests join and leave slots, weights change
 (:meth:`Engine.set_weights`) and live requests move to other cells (:meth:`Engine.export`,
@@ -95,16 +97,16 @@ def pool_budget(kv_tokens: int, cache, weights, devices) -> int:
     of one data shard, so x the number of data shards); on CPU (no memory figure): slots *
     max_len. The trainer's state on a cell that also trains is not subtracted.
     """
-    k = cache["k"]  # L arrays [S, KVH, M, Dh]
-    slots, max_len = k[0].shape[0], k[0].shape[2]
+    v = cache["v"]  # L arrays [S, KVH, M, Dh] (K's hold as many bytes, positions minor)
+    slots, max_len = v[0].shape[0], v[0].shape[2]
     physical = slots * max_len
     if kv_tokens > 0:
         return min(kv_tokens, physical)
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
     if not limits or any(b is None for b in limits):
         return physical
-    shard = k[0].sharding.shard_shape(k[0].shape)
-    per_token = 2 * sum(map(_shard_bytes, k)) // (shard[0] * shard[2])  # k, v of every layer
+    shard = v[0].sharding.shard_shape(v[0].shape)
+    per_token = 2 * sum(map(_shard_bytes, v)) // (shard[0] * shard[2])  # k, v of every layer
     weight_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(weights))
     per_device = kv_budget_tokens(min(limits), weight_bytes, KV_RESERVE * min(limits), per_token)
     return min(physical, per_device * (slots // shard[0]))
@@ -203,7 +205,7 @@ class SlotExport:
 
     live: Live
     held: np.ndarray
-    rows: dict | None  # {'k','v'}: L x [1, KVH, M, Dh]; None for a request still queued
+    rows: dict | None  # {'k': L x [1, KVH, Dh, M], 'v': L x [1, KVH, M, Dh]}; None if queued
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

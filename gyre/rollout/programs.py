@@ -121,11 +121,10 @@ class Programs:
         self.graphdef, abstract_state = gdec.abstract_model(spec)
         s, m, c = r.slots, r.max_len, r.prefill_chunk
         n_layers = spec.num_layers
-        layer_shape = (s, spec.num_kv_heads, m, spec.head_dim)  # one layer's K (or V)
+        shapes = gdec.cache_shapes(s, spec.num_kv_heads, m, spec.head_dim)  # one layer's
         abstract_cache = {
-            k: (jax.ShapeDtypeStruct(layer_shape, spec.dtype),) * n_layers for k in "kv"
+            k: (jax.ShapeDtypeStruct(shapes[k], spec.dtype),) * n_layers for k in "kv"
         }
-        rows_axes = (None, "kv_heads", "length", "head_dim")
         self.state_sh = gdec.state_shardings(spec, cell, "rollout")
         abstract_weights = jax.eval_shape(
             lambda st: gdec.serving_weights(self.graphdef, st), abstract_state
@@ -136,8 +135,11 @@ class Programs:
         self.cache_sh = gmesh.tree_shardings(
             cell, "rollout", gdec.cache_logical_axes(n_layers), abstract_cache
         )
-        rows_sh = gmesh.sharding_for(cell, "rollout", rows_axes)
-        self.rows_sh = {k: (rows_sh,) * n_layers for k in "kv"}
+        # one slot's rows: the cache's layout with the slot axis kept whole (None)
+        self.rows_sh = {
+            k: (gmesh.sharding_for(cell, "rollout", (None, *gdec.CACHE_AXES[k][1:])),) * n_layers
+            for k in "kv"
+        }
         rep = NamedSharding(cell.mesh, PartitionSpec())
         vec = gmesh.sharding_for(cell, "rollout", ("batch",), (s,), "rollout.slots")
         base = sampler.base_key(r.seed)
@@ -235,7 +237,7 @@ class Programs:
             return jax.tree.map(copy, cache)
 
         def read_rows(cache, slot):
-            """One slot's K/V: {'k','v'}: L arrays [1, KVH, M, Dh]."""
+            """One slot's K/V: {'k': L arrays [1, KVH, Dh, M], 'v': L arrays [1, KVH, M, Dh]}."""
             return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
 
         def write_rows(cache, rows, slot):
