@@ -224,9 +224,9 @@ def test_cached_attention_equals_causal_tree_attention():
 
 
 def live_inputs(seed, pos, m):
-    """q[B,1,H,Dh], own k/v [B,1,KVH,Dh] and a cache (K [B,KVH,Dh,M], V [B,KVH,M,Dh]) of random (garbage past
-    each row's pos) entries; the row's own k/v are also written at its pos (as the engine
-    does), so naive_cached over entries j <= pos is the reference."""
+    """q[B,1,H,Dh], own k/v [B,1,KVH,Dh] and a cache (K [B,KVH,Dh,M], V [B,KVH,M,Dh]) of
+    random (garbage past each row's pos) entries; the row's own k/v are also written at its
+    pos (as the engine does), so naive_cached over entries j <= pos is the reference."""
     b = len(pos)
     q, _, _, _ = random_qkv(seed, b=b, t=1)
     keys = jax.random.split(jax.random.key(seed + 1), 4)
@@ -273,6 +273,20 @@ def test_live_decode_attention_rows_do_not_depend_on_their_batch(block):
     idle = live(q, k_own, v_own, k_cache, v_cache, jnp.array([5, 2, m]), block)
     np.testing.assert_array_equal(np.asarray(short[0]), np.asarray(full[0]))
     np.testing.assert_array_equal(np.asarray(idle[:2]), np.asarray(short))
+
+
+def test_attention_refuses_a_k_cache_in_the_wrong_layout():
+    # K laid out like V ([B, KVH, M, Dh]) or cut short is refused by name (M != Dh here, so
+    # the shapes differ; where M == Dh only the engine's own cache writes keep them apart)
+    q, k_own, v_own, k_cache, v_cache, _ = live_inputs(5, [3], DH + 1)
+    pos = jnp.array([[3]])
+    k_like_v = jnp.swapaxes(k_cache, 2, 3)
+    with pytest.raises(ValueError, match="KV cache layout"):
+        attention.cached_attention(q, k_like_v, v_cache, pos, jnp.array([4]))
+    with pytest.raises(ValueError, match="KV cache layout"):
+        attention.live_decode_attention(q, k_own, v_own, k_like_v, v_cache, pos[:, 0], 4)
+    with pytest.raises(ValueError, match="KV cache layout"):
+        attention.live_prefill_attention(q, k_cache[..., :-1], v_cache, 0, pos, jnp.array([4]), 4)
 
 
 def test_live_decode_attention_bad_heads_raise():

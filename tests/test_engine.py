@@ -159,6 +159,10 @@ def test_model_parallel_cell_shards_kv_heads_and_agrees(kv_block):
     assert k_mp.sharding.shard_shape(k_mp.shape) == (4, 1, 16, 64)  # kv heads over model
     assert v_dp.sharding.shard_shape(v_dp.shape) == (2, 2, 64, 16)
     assert v_mp.sharding.shard_shape(v_mp.shape) == (4, 1, 64, 16)
+    rows = mp.programs.read_rows(mp.cache, np.int32(0))  # one slot, as a migration reads it
+    assert rows["k"][0].sharding.shard_shape(rows["k"][0].shape) == (1, 1, 16, 64)
+    assert rows["v"][0].sharding.shard_shape(rows["v"][0].shape) == (1, 1, 64, 16)
+    np.testing.assert_array_equal(rows["k"][0][0], k_mp[0])
     np.testing.assert_array_equal(mp_out[0].tokens, dp_out[0].tokens)
     np.testing.assert_allclose(mp_out[0].logprobs, dp_out[0].logprobs, atol=1e-5)
 

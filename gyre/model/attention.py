@@ -282,6 +282,24 @@ def attend(q, k, v, leave, impl: str = "block_sparse", block: int = 128):
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
 
 
+def _cache_dims(q, k_cache, v_cache) -> tuple[int, int]:
+    """(KVH, M) of a slot KV cache laid out as decoder.CACHE_AXES (K [S, KVH, Dh, M], V
+    [S, KVH, M, Dh]) that queries q[..., H, Dh] can attend to; a ValueError naming the
+    mismatch otherwise (where M == Dh the shapes cannot tell a K stored like V; the engine's
+    cache writes, decoder.forward_serving, are what keep the layouts apart)."""
+    h, d = q.shape[-2:]
+    kvh, m, dv = v_cache.shape[1:]
+    if dv != d or tuple(k_cache.shape[1:]) != (kvh, d, m):
+        raise ValueError(
+            f"KV cache layout: want K [S, {kvh}, {d}, {m}] (kv heads, head dim, positions) "
+            f"and V [S, {kvh}, {m}, {d}] for queries of head dim {d}; got K "
+            f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}"
+        )
+    if h % kvh:
+        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    return kvh, m
+
+
 def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     """Decode/prefill attention over a slot KV cache (causal within the slot).
 
@@ -293,9 +311,7 @@ def cached_attention(q, k_cache, v_cache, q_pos_index, kv_len):
     blocks).
     """
     b, t, h, d = q.shape
-    kvh, m = v_cache.shape[1], v_cache.shape[2]
-    if h % kvh:
-        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    kvh, m = _cache_dims(q, k_cache, v_cache)
     if t == 1:
         return _decode_attention(q, k_cache, v_cache, q_pos_index[:, 0], kv_len)
     q_BxTxKxGxD = q.reshape(b, t, kvh, h // kvh, d)
@@ -391,9 +407,7 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     and adds exact zeros. A final block that would pass M is clamped in place and masks the
     entries it repeats."""
     b, _, h, d = q.shape
-    kvh, m = v_cache.shape[1], v_cache.shape[2]
-    if h % kvh:
-        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    kvh, m = _cache_dims(q, k_cache, v_cache)
     g, blk = h // kvh, min(block, m)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  (products in f32, as the dots')
     q_BxKxGxD = f32(q.reshape(b, kvh, g, d))
@@ -448,11 +462,9 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
     max_len. One row at a time, as the prefill program runs them, so the trip count is the
     row's own. -> out[1,T,H,Dh]."""
     b, t, h, d = q.shape
-    kvh, m = v_cache.shape[1], v_cache.shape[2]
     if b != 1:
         raise ValueError(f"live_prefill_attention takes one row, got {b}")
-    if h % kvh:
-        raise ValueError(f"query heads {h} are not a multiple of cache kv heads {kvh}")
+    kvh, m = _cache_dims(q, k_cache, v_cache)
     g, blk = h // kvh, min(block, m)
     q_KxGxTxD = q[0].reshape(t, kvh, g, d).transpose(1, 2, 0, 3)
     scale = 1.0 / math.sqrt(d)

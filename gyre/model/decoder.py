@@ -41,8 +41,9 @@ LAYER_AXES = {
 # One layer's K and V in the slot KV cache. K is stored positions-minor, [S, KVH, Dh, M], so
 # the score contraction q.K reads it as a plain [Dh] x [Dh, M] product per head; V is stored
 # [S, KVH, M, Dh], the layout of the p.V product. With K like V (positions before Dh) XLA:CPU
-# transposed each head's K block inside the attention of every step: decode loops 1.1-1.4x
-# slower at batch 8 and 32 (BENCHMARKS.md, "Rollout engine decode").
+# transposed each head's K block inside the attention of every step: dense decode loops ran
+# 1.1-1.65x slower at batch 8 and 32, live ones 1.03-1.23x (BENCHMARKS.md, "Rollout engine
+# decode"; measured on CPU only).
 CACHE_AXES = {
     "k": ("batch", "kv_heads", "head_dim", "length"),
     "v": ("batch", "kv_heads", "length", "head_dim"),

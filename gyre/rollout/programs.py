@@ -121,7 +121,7 @@ class Programs:
         self.graphdef, abstract_state = gdec.abstract_model(spec)
         s, m, c = r.slots, r.max_len, r.prefill_chunk
         n_layers = spec.num_layers
-        shapes = gdec.cache_shapes(s, spec.num_kv_heads, m, spec.head_dim)  # one layer's
+        shapes = gdec.cache_shapes(s, spec.num_kv_heads, m, spec.head_dim)  # {'k','v'}: a layer's
         abstract_cache = {
             k: (jax.ShapeDtypeStruct(shapes[k], spec.dtype),) * n_layers for k in "kv"
         }
