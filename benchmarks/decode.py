@@ -158,7 +158,13 @@ def with_decode_steps(spec, steps: int | None):
 
 
 def tokens_per_dispatch(spec) -> int:
-    return getattr(spec, "decode_steps", 1)
+    """Decode tokens per dispatch of an engine of ``spec`` (1 for one without the field)."""
+    steps = getattr(spec, "decode_steps", 1)
+    if steps == -1:  # auto: the engine's own rule
+        from gyre.rollout.programs import loop_steps
+
+        return loop_steps(spec)
+    return steps
 
 
 def load_plan(spec, contexts, min_token_steps: int) -> tuple[int, int]:

@@ -185,8 +185,13 @@ class GyreSide:
 
     @property
     def decode_steps(self) -> int:
-        """Tokens per decode dispatch (1 for an engine without the field)."""
-        return getattr(self.spec, "decode_steps", 1)
+        """Tokens per decode dispatch (1 for an engine without the field; auto resolved)."""
+        steps = getattr(self.spec, "decode_steps", 1)
+        if steps == -1:
+            from gyre.rollout.programs import loop_steps
+
+            return loop_steps(self.spec)
+        return steps
 
     def run(self, prompts_BxP: np.ndarray, new: int) -> Run:
         """``new`` (<= the constructor's) greedy tokens for every prompt row."""

@@ -96,9 +96,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.max_len = 512
     c.rollout.prefill_chunk = 64
     # Decode tokens per device loop (one dispatch and one host transfer each); requests join
-    # and leave slots, weights change and migrations happen between loops. 1 = one token
-    # per dispatch (gyre/rollout/programs.py).
-    c.rollout.decode_steps = 16
+    # and leave slots, weights change and migrations happen between loops. -1 = auto (16, or
+    # 64 on a one-slot cell, which never idles a slot; gyre/rollout/programs.py loop_steps),
+    # 1 = one token per dispatch, N = N.
+    c.rollout.decode_steps = -1
     # Preferred SIMD width in bits of the code XLA:CPU emits for the serving programs: -1 =
     # auto (512 for a one-slot cell, whose decode dots are matrix-vector products XLA emits
     # itself: 1.2-1.5x faster with 512-bit vectors on an AVX-512 host; XLA's default
@@ -242,7 +243,7 @@ BOUNDS: dict[str, Bound] = {
     "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(1), "train.max_bad_steps": _ge(0),
     "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
-    "rollout.decode_steps": _ge(1), "rollout.cpu_vector_width": Bound(-1, 512),
+    "rollout.decode_steps": _ge(-1), "rollout.cpu_vector_width": Bound(-1, 512),
     "rollout.temperature": _ge(0), "rollout.top_p": UNIT_OPEN_LO, "rollout.max_new_tokens": _ge(1),
     "rollout.kv_tokens": _ge(0), "rollout.kv_block": _ge(-1),
     "agent.max_calls": _ge(1), "agent.max_tokens": _ge(1), "agent.max_seconds": _gt(0),

@@ -12,8 +12,19 @@ from test_engine import reference_logprobs
 
 from benchmarks.switch import CompileCounter
 from gyre import mesh as gmesh
+from gyre.config import default_config
+from gyre.errors import ConfigError
+from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
-from gyre.rollout.programs import RolloutSpec, compiler_options, kv_blocks, programs_for
+from gyre.rollout.programs import (
+    AUTO_DECODE_STEPS,
+    ONE_SLOT_DECODE_STEPS,
+    RolloutSpec,
+    compiler_options,
+    kv_blocks,
+    loop_steps,
+    programs_for,
+)
 from gyre.rollout.types import GenerateRequest
 
 
@@ -202,6 +213,48 @@ def test_one_slot_cell_decodes_with_wide_vectors_exactly():
         np.testing.assert_allclose(wide.logprobs, plain.logprobs, atol=1e-5)
         np.testing.assert_allclose(wide.logprobs, reference_logprobs(req, wide.tokens), atol=1e-4)
         assert wide.tokens.size == 14
+
+
+@pytest.mark.parametrize(
+    "steps,slots,want",
+    [
+        (-1, 1, ONE_SLOT_DECODE_STEPS),  # auto: a one-slot loop never idles a slot
+        (-1, 2, AUTO_DECODE_STEPS),
+        (-1, 16, AUTO_DECODE_STEPS),
+        (5, 1, 5),  # an explicit value holds for every cell
+        (1, 4, 1),
+    ],
+)
+def test_loop_steps_follow_the_setting_and_slots(steps, slots, want):
+    assert loop_steps(dataclasses.replace(SPEC, decode_steps=steps, slots=slots)) == want
+
+
+def test_zero_decode_steps_is_refused_by_name():
+    with pytest.raises(ValueError, match="rollout.decode_steps must be -1"):
+        dataclasses.replace(SPEC, decode_steps=0)
+    cfg = default_config()
+    cfg.rollout.decode_steps = 0
+    with pytest.raises(ConfigError, match="rollout.decode_steps"):
+        build_specs(cfg)
+
+
+def test_one_slot_auto_loop_decodes_a_call_in_two_dispatches_exactly():
+    # Auto on a one-slot cell: 64 tokens a loop, so a 100-token call (the prefill samples the
+    # first) decodes in 2 loops, idle 0, bit for bit as one token per dispatch (99 loops).
+    (cell,) = gmesh.make_cells(1, devices=jax.devices()[:1])
+    spec = dataclasses.replace(SPEC, slots=1, max_len=128)
+    req = request("a", prompt(90, 9), 100, 1.0)
+    outs = {}
+    for steps in (1, -1):
+        engine = Engine(dataclasses.replace(spec, decode_steps=steps), cell, STATE)
+        rid = engine.submit(req)
+        outs[steps] = engine.run_until_done()[rid], engine
+    (one, one_engine), (auto, auto_engine) = outs[1], outs[-1]
+    np.testing.assert_array_equal(auto.tokens, one.tokens)
+    np.testing.assert_array_equal(auto.logprobs, one.logprobs)
+    assert auto.tokens.size == 100 and auto_engine.decode_steps == ONE_SLOT_DECODE_STEPS
+    assert (auto_engine.stats["decode_loops"], one_engine.stats["decode_loops"]) == (2, 99)
+    assert auto_engine.stats["decode_idle_slot_steps"] == 0
 
 
 # max_len 64 = 24 + 24 + 16: the third block is clamped inside the cache

@@ -5,7 +5,7 @@ The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k': L x [S, K
 via logical 'batch', kv heads over 'model'). The jit programs of a cell
 (:class:`gyre.rollout.programs.Programs`) each have one fixed shape: a prefill of one
 ``prefill_chunk`` for each of up to ``slots`` slots, and a decode loop of up to
-``decode_steps`` tokens for every slot at once (inactive slots write nowhere and their
+``decode_steps`` tokens (:func:`~gyre.rollout.programs.loop_steps`) for every slot at once (inactive slots write nowhere and their
 outputs are ignored). The engine is driven by
 explicit :meth:`Engine.step` calls, so it is deterministic; the proxy drives engines from
 asyncio. Between two steps requests join and leave slots, weights change
@@ -55,7 +55,13 @@ import jax
 import numpy as np
 
 from gyre import mesh as gmesh
-from gyre.rollout.programs import MAX_STOP_TOKENS, Programs, RolloutSpec, programs_for
+from gyre.rollout.programs import (
+    MAX_STOP_TOKENS,
+    Programs,
+    RolloutSpec,
+    loop_steps,
+    programs_for,
+)
 from gyre.rollout.types import GenerateRequest, GenerateResponse
 
 # Share of each device's memory kept out of a derived KV budget (activations, compiler scratch).
@@ -240,7 +246,7 @@ class Engine:
         self.cell, self.vocab_size = cell, spec.model.vocab_size
         self.num_slots, self.max_len, self.chunk = r.slots, r.max_len, r.prefill_chunk
         self.temperature = float(r.temperature)
-        self.decode_steps = r.decode_steps
+        self.decode_steps = loop_steps(r)  # tokens per decode dispatch (auto resolved)
         # Called after each program with (kind, figures): 'prefill' {seconds, rows, tokens}
         # and 'decode' {seconds, rows, steps, context_tokens} (benchmarks, calibration).
         self.on_timing: Callable[[str, dict], None] | None = None

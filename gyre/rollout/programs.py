@@ -2,7 +2,7 @@
 
 Shapes are fixed: a prefill call takes one ``prefill_chunk`` for each of up to ``slots`` slots
 and runs the given number of rows in a loop on the device; a decode loop runs up to
-``decode_steps`` tokens for every slot inside one jitted ``while_loop`` (finished and idle
+:func:`loop_steps` tokens for every slot inside one jitted ``while_loop`` (finished and idle
 slots write nowhere) and returns all new tokens in one transfer. So the number of live
 requests never changes a shape: each program compiles once per cell, and every engine built
 for the same (cell, config) shares them (:func:`programs_for`).
@@ -32,8 +32,9 @@ class RolloutSpec:
     max_len: int = 512  # tokens per slot
     prefill_chunk: int = 64
     # Decode tokens per device loop: one dispatch and one host transfer per loop; 1 = a
-    # program of one step per dispatch (the reference path the loop must equal bit for bit).
-    decode_steps: int = 16
+    # program of one step per dispatch (the reference path the loop must equal bit for bit);
+    # -1 = auto (:func:`loop_steps`).
+    decode_steps: int = -1
     temperature: float = 1.0  # default for requests that set none
     top_p: float = 1.0
     seed: int = 0  # sampler base key
@@ -49,9 +50,13 @@ class RolloutSpec:
     kv_block: int = -1
 
     def __post_init__(self):
-        for name in ("slots", "max_len", "prefill_chunk", "decode_steps"):
+        for name in ("slots", "max_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_steps < 1 and self.decode_steps != -1:
+            raise ValueError(
+                f"rollout.decode_steps must be -1 (auto) or >= 1, got {self.decode_steps}"
+            )
         if self.kv_block < -1:
             raise ValueError(f"rollout.kv_block must be -1 (auto), 0 or >= 1, got {self.kv_block}")
         if self.kv_tokens < 0:
@@ -84,6 +89,27 @@ def compiler_options(r: RolloutSpec, platform: str) -> dict:
 # Auto kv_block: blocks of this many entries; decode reads live blocks once max_len is at
 # least LIVE_DECODE_FROM of them.
 AUTO_KV_BLOCK, LIVE_DECODE_FROM = 128, 8
+
+
+# Auto decode loop lengths (rollout.decode_steps -1): see loop_steps.
+AUTO_DECODE_STEPS = 16
+ONE_SLOT_DECODE_STEPS = 64
+
+
+def loop_steps(r: RolloutSpec) -> int:
+    """Decode tokens per device loop (one dispatch, one host transfer) of a cell of ``r``.
+
+    A loop ends early when no slot runs, or, with requests waiting for a slot, as soon as
+    one slot frees; otherwise a slot that finishes mid-loop sits idle until the loop ends,
+    and its result waits with it. Auto (-1): 16 for a cell of several slots (in the quick
+    start 16 gave a 5.6% idle share and ran 13% faster than 4, and 32 or 64 were no faster;
+    BENCHMARKS.md), 64 for a one-slot cell, where no slot can sit idle (its loop ends when its
+    one request does) and a loop's fixed cost, ~0.45 ms a dispatch on CPU, is a whole
+    token's time at batch 1: a 128-token call ran 6-13% faster than with 16 (the vs_tunix
+    model, prompts 64 and 512). N >= 1: N for every cell."""
+    if r.decode_steps != -1:
+        return r.decode_steps
+    return ONE_SLOT_DECODE_STEPS if r.slots == 1 else AUTO_DECODE_STEPS
 
 
 def kv_blocks(r: RolloutSpec) -> tuple[int, int]:
@@ -192,7 +218,7 @@ class Programs:
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
             return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
 
-        n = r.decode_steps
+        n = loop_steps(r)
 
         def decode_loop(weights, cache, tokens_S, start_S, left_S, stop_SxK, hash_S, call_S,
                         temp_S, exit_on_free):  # fmt: skip
