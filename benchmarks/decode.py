@@ -104,6 +104,9 @@ def engine_rate(cfg, cell, state, batch, prompt_len, new):
         engine.run_until_done()
         decode_s = time.perf_counter() - start
         steps = engine.stats["decode_steps"] - steps0
+    if not steps:
+        raise SystemExit(f"batch {batch}: {new} new tokens fit in the first decode loop, which "
+                         "is timed with the prefill; nothing left to time as decode")  # fmt: skip
     return batch * steps / decode_s, batch * prompt_len / prefill_s, steps
 
 
@@ -483,13 +486,22 @@ def batch_table(args, cell) -> dict:
     figures["new_tokens"] = new
     for b in batches:
         cfg = tiny_config(b, max_len, args.model)
+        # The timed window starts after the first engine step (prefill and the first decode
+        # loop), so a row needs >= 2 more loops: where a loop runs more tokens (auto: 64 on
+        # one slot) the row decodes more, in whole 64s (prompt + new stays a multiple of 64).
+        loop, row_new = tokens_per_dispatch(build_specs(cfg).rollout), new
+        while row_new - 1 < 2 * loop:
+            row_new += 64
+        if prompt_len + row_new > max_len:
+            cfg = tiny_config(b, prompt_len + row_new, args.model)
         graphdef, state = gdec.init_sharded(build_specs(cfg).model, 0, cell, "rollout")
-        decode_tps, prefill_tps, _ = engine_rate(cfg, cell, state, b, prompt_len, new)
-        base_tps = baseline_rate(cfg, graphdef, state, b, prompt_len, new)
-        ideal, actual = step_bytes(cfg, state, b, prompt_len, new)
+        decode_tps, prefill_tps, _ = engine_rate(cfg, cell, state, b, prompt_len, row_new)
+        base_tps = baseline_rate(cfg, graphdef, state, b, prompt_len, row_new)
+        ideal, actual = step_bytes(cfg, state, b, prompt_len, row_new)
         bound_tps = b * bandwidth / ideal
-        rows.append((b, decode_tps, prefill_tps, base_tps, bound_tps, actual / ideal))
+        rows.append((b, decode_tps, prefill_tps, base_tps, bound_tps, actual / ideal, row_new))
         figures[f"b{b}"] = {
+            "new_tokens": row_new,
             "engine_decode_tok_s": round(decode_tps, 1),
             "engine_prefill_tok_s": round(prefill_tps, 1),
             "no_cache_tok_s": round(base_tps, 1),
@@ -502,15 +514,15 @@ def batch_table(args, cell) -> dict:
     params = sum(x.size for x in jax.tree.leaves(state))
     print(
         f"decode on {jax.devices()[0].platform}, {params / 1e6:.2f}M params, prompt {prompt_len}, "
-        f"{new} new tokens, measured bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"new tokens per row as listed, measured bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     print(
-        f"{'batch':>5} {'engine tok/s':>13} {'prefill tok/s':>14} {'no-cache tok/s':>15} "
-        f"{'speedup':>8} {'bound tok/s':>12} {'of bound':>9}"
+        f"{'batch':>5} {'new':>4} {'engine tok/s':>13} {'prefill tok/s':>14} "
+        f"{'no-cache tok/s':>15} {'speedup':>8} {'bound tok/s':>12} {'of bound':>9}"
     )
-    for b, dec, pre, base, bound, _ in rows:
+    for b, dec, pre, base, bound, _, row_new in rows:
         print(
-            f"{b:>5} {dec:>13.1f} {pre:>14.1f} {base:>15.1f} {dec / base:>8.2f} "
+            f"{b:>5} {row_new:>4} {dec:>13.1f} {pre:>14.1f} {base:>15.1f} {dec / base:>8.2f} "
             f"{bound:>12.0f} {dec / bound:>9.4f}"
         )
     figures["params"] = int(params)

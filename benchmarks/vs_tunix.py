@@ -427,7 +427,8 @@ def main(argv=None) -> dict:
         "new_tokens": args.new,
         "runs": args.runs,
         "greedy": True,
-        "gyre_decode_steps": rows[0]["gyre_decode_steps"],
+        # tokens per decode dispatch by batch (auto differs for a one-slot cell)
+        "gyre_decode_steps": {r["batch"]: r["gyre_decode_steps"] for r in rows},
         "min_match": min(r["match"] for r in rows),
         "batch1_matvec_floor_tok_s": round(floor, 1),
         "batch1_matvec_floor_gyre_options_tok_s": round(floor_wide, 1),
@@ -441,7 +442,8 @@ def main(argv=None) -> dict:
         f"(d {m.d_model}, {m.num_layers} layers, {m.num_heads}/{m.num_kv_heads} heads of "
         f"{m.head_dim}, vocab {m.vocab_size}), greedy, {args.new} new tokens, median of "
         f"{args.runs}; Gyre max_len = Tunix cache_size = prompt + new; Gyre decode steps "
-        f"per dispatch: {figures['gyre_decode_steps']}"
+        f"per dispatch (by batch): "
+        + ", ".join(f"{n} (B{b})" for b, n in figures["gyre_decode_steps"].items())
     )
     print(table(rows))
     print(f"greedy match (leading identical tokens, min over rows): {figures['min_match']}"

@@ -160,6 +160,9 @@ def test_decode_steps_option_works_with_and_without_the_spec_field():
         decode.with_decode_steps(Old(), 4)
     assert decode.tokens_per_dispatch(decode.with_decode_steps(New(), 4)) == 4
     assert decode.tokens_per_dispatch(New()) == 16
+    # auto (-1) resolves by the engine's own rule: 64 on one slot, 16 on more
+    assert decode.tokens_per_dispatch(New(slots=1, decode_steps=-1)) == 64
+    assert decode.tokens_per_dispatch(New(slots=4, decode_steps=-1)) == 16
 
 
 def test_live_attention_benchmark_compares_both_settings_on_the_same_tokens():
