@@ -51,11 +51,9 @@ CACHE_AXES = {
 
 
 def cache_shapes(num_slots: int, num_kv_heads: int, max_len: int, head_dim: int) -> dict:
-    """{'k','v'} -> one layer's cache shape (:data:`CACHE_AXES`)."""
-    return {
-        "k": (num_slots, num_kv_heads, head_dim, max_len),
-        "v": (num_slots, num_kv_heads, max_len, head_dim),
-    }
+    """{'k','v'} -> one layer's cache shape, in the order of :data:`CACHE_AXES`."""
+    size = {"batch": num_slots, "kv_heads": num_kv_heads, "head_dim": head_dim, "length": max_len}
+    return {k: tuple(size[axis] for axis in axes) for k, axes in CACHE_AXES.items()}
 
 
 def _dense_init(key, shape, fan_in):

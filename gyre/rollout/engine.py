@@ -5,8 +5,8 @@ The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k': L x [S, K
 via logical 'batch', kv heads over 'model'). The jit programs of a cell
 (:class:`gyre.rollout.programs.Programs`) each have one fixed shape: a prefill of one
 ``prefill_chunk`` for each of up to ``slots`` slots, and a decode loop of up to
-``decode_steps`` tokens (:func:`~gyre.rollout.programs.loop_steps`) for every slot at once (inactive slots write nowhere and their
-outputs are ignored). The engine is driven by
+``decode_steps`` tokens (:func:`~gyre.rollout.programs.loop_steps`) for every slot at once
+(inactive slots write nowhere and their outputs are ignored). The engine is driven by
 explicit :meth:`Engine.step` calls, so it is deterministic; the proxy drives engines from
 asyncio. Between two steps requests join and leave slots, weights change
 (:meth:`Engine.set_weights`) and live requests move to other cells (:meth:`Engine.export`,
