@@ -161,17 +161,16 @@ def replay_workdir(workdir: str, calibration: str = "cpu_measured"):
     cells on a calibration's cost model, all cells sharing this CPU's cores (as the real run
     did). Returns the simulator's SimResult; compare it with the run's timeline.json."""
     from gyre.elastic import calibration as calib
-    from gyre.elastic import policy, sim, workload
+    from gyre.elastic import sim, workload
+    from gyre.rl.specs import from_json
 
-    with open(os.path.join(workdir, "config.json")) as f:
-        scheduler = json.load(f)["scheduler"]
-    fields = {f.name for f in dataclasses.fields(policy.PolicyParams)}
-    params = policy.PolicyParams(**{k: v for k, v in scheduler.items() if k in fields})
+    with open(os.path.join(workdir, "specs.json")) as f:
+        specs = from_json(f.read())
     cells = len({s.cell for s in read_timeline(workdir)})
     # the controller packs micro-batches per finished task group
     cost = dataclasses.replace(calib.load(calibration), shared_cores=True, pack_by_group=True)
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    return sim.simulate(steps, cells, scheduler["policy"], cost, params)
+    return sim.simulate(steps, cells, specs.run.policy, cost, specs.policy)
 
 
 # ---------------------------------------------------------------- trees

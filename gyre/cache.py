@@ -11,10 +11,15 @@ from __future__ import annotations
 import os
 
 
-def cache_dir(kind: str, configured: str = "") -> str:
-    """``configured`` if set, else <cache root>/<kind> (created)."""
+def cache_path(kind: str, configured: str = "") -> str:
+    """``configured`` if set, else <cache root>/<kind>; creates nothing."""
     root = os.environ.get("GYRE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
                                                             "gyre")  # fmt: skip
-    path = configured or os.path.join(root, kind)
+    return configured or os.path.join(root, kind)
+
+
+def cache_dir(kind: str, configured: str = "") -> str:
+    """:func:`cache_path`, created."""
+    path = cache_path(kind, configured)
     os.makedirs(path, exist_ok=True)
     return path

@@ -58,11 +58,18 @@ RULES: dict[str, dict[str, str | None]] = {
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """How the devices are cut: ``num_devices`` (0 = all visible) into cells of ``cell_size``
-    devices, each a ('data', 'model') mesh with ``model_parallel`` devices on 'model'."""
+    devices, each a ('data', 'model') mesh with ``model_parallel`` devices on 'model'.
+
+    cpu_devices: devices faked when the platform is CPU (set before JAX starts a backend);
+    compilation_cache / cache_dir: the persistent XLA cache and where it lives ("" = the
+    shared cache, gyre/cache.py)."""
 
     cell_size: int = 1
     num_devices: int = 0
     model_parallel: int = 1
+    cpu_devices: int = 8
+    compilation_cache: bool = True
+    cache_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""What ``launch.py`` calls: fake CPU devices, validate, write the resolved config, dispatch.
+"""What ``launch.py`` calls: the config's one boundary.
 
-``cfg.run.entry`` picks the library function; each takes ``(cfg, workdir)`` and returns a
-summary dict, which is written to ``<workdir>/summary.json``.
+:func:`main` validates the ConfigDict, builds every part's spec from it once
+(gyre/rl/builder.py), writes both beside the run (``config.json``, ``specs.json``) and calls
+the entry ``specs.entry`` names with ``(specs, workdir)``; nothing after that reads the
+config. Each entry returns a summary dict, written to ``<workdir>/summary.json``.
 """
 
 from __future__ import annotations
@@ -33,20 +35,23 @@ def resolve_entry(name: str):
     return getattr(importlib.import_module(module), fn)
 
 
-def setup_devices(cfg) -> None:
-    """Fakes cfg.mesh.cpu_devices CPU devices; must run before JAX initialises a backend."""
+def setup_devices(cpu_devices: int) -> None:
+    """Fakes ``cpu_devices`` CPU devices; must run before JAX initialises a backend."""
     import jax
 
-    if jax.config.jax_num_cpu_devices != cfg.mesh.cpu_devices:  # tests set it already
-        jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+    if jax.config.jax_num_cpu_devices != cpu_devices:  # tests set it already
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
-def write_config(cfg, workdir: str) -> str:
+def write_config(cfg, specs, workdir: str) -> None:
+    """The config as given (config.json) and the specs built from it (specs.json)."""
+    from gyre.rl.specs import to_json
+
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "config.json")
-    with open(path, "w") as f:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
-    return path
+    with open(os.path.join(workdir, "specs.json"), "w") as f:
+        f.write(to_json(specs))
 
 
 # Keys a relaunch may change without --allow_config_change: where caches live, and how many
@@ -94,17 +99,17 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
     """
     try:
         validate(cfg)
-        setup_devices(cfg)
         entry = resolve_entry(cfg.run.entry)
         from gyre import mesh
         from gyre.rl import builder
 
         # every part's own checks, the cell layout and the environment, before anything is
-        # written
+        # written into the workdir (a tiny checkpoint may be made in the cache)
         specs = builder.build_specs(cfg)
+        setup_devices(specs.mesh.cpu_devices)
         if specs.cluster.backend == "local":  # a Ray actor checks its own devices
             mesh.cells_for(specs.mesh)
-        builder.environment(specs, with_model=cfg.run.entry in ("rl", "sft"))
+        builder.environment(specs, with_model=specs.entry in ("rl", "sft"))
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     changes = config_changes(cfg, workdir)
@@ -120,14 +125,15 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
         with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
             f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
     try:
-        write_config(cfg, workdir)
+        write_config(cfg, specs, workdir)
     except OSError as e:
         sys.exit(f"workdir error: cannot write into {workdir}: {e.strerror or e}")
-    if cfg.mesh.compilation_cache:
-        mesh.enable_compilation_cache(cache_dir("xla", cfg.mesh.cache_dir))
+    del cfg  # the boundary: from here on only the specs travel
+    if specs.mesh.compilation_cache:
+        mesh.enable_compilation_cache(cache_dir("xla", specs.mesh.cache_dir))
     signals.install()
     try:
-        summary = entry(cfg, workdir, **hooks)
+        summary = entry(specs, workdir, **hooks)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     except (AlreadyFinished, Stopped) as e:

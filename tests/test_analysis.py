@@ -175,10 +175,12 @@ def test_packing_sweep_counts_positions_and_padding(scripted):
 def test_replay_workdir_simulates_the_run_s_own_trace(tmp_path):
     from gyre.config import default_config
     from gyre.elastic.workload import WorkloadSpec, generate, write_trace
+    from gyre.rl.builder import build_specs
+    from gyre.rl.specs import to_json
 
     cfg = default_config()
     cfg.scheduler.policy = "colocate"
-    (tmp_path / "config.json").write_text(cfg.to_json_best_effort())
+    (tmp_path / "specs.json").write_text(to_json(build_specs(cfg)))
     spans = [{"cell": c, "role": "rollout", "start": 0.0, "end": 1.0} for c in range(3)]
     (tmp_path / "timeline.json").write_text(json.dumps(spans))
     spec = WorkloadSpec(steps=2, queries_per_step=2, samples_per_query=2, mean_calls=3,

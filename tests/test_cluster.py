@@ -40,15 +40,17 @@ def test_a_lost_cells_calls_finish_on_the_others_with_the_same_tokens():
     reqs = [make_request(40 + i, 6 + 7 * i, 24, 1.0) for i in range(6)]
     want = reference(reqs)
     proxy = new_proxy(CELLS[:2])
-    lost = proxy.engines[1]
+    lost, orphans = proxy.engines[1], []
 
     def lose():  # what RemoteEngine does when a call finds its actor dead
         assert lost.num_live, "nothing live on the cell: the test would be vacuous"
-        lost.lost, lost.orphans = True, lost.live_ids()
+        orphans.extend(lost.live_ids())
+        lost.lost_calls = lambda: orphans
 
     got = asyncio.run(drive(proxy, reqs, {3: lose}))
     assert proxy.lost == {1} and 1 not in proxy.rollout
-    assert proxy.stats["lost_retried"] == len(lost.orphans) > 0
+    assert proxy.stats["lost_retried"] == len(orphans) > 0
+    assert proxy.take_lost_retried() == len(orphans) and proxy.take_lost_retried() == 0
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g.tokens, w.tokens)
         assert g.finish_reason == w.finish_reason

@@ -272,6 +272,12 @@ class RemoteEngine:
         """Found lost elsewhere (a gradient call on the same actor)."""
         self._lose()
 
+    def lost_calls(self) -> list[int] | None:
+        return list(self.orphans) if self.lost else None
+
+    def wait_ready(self) -> None:
+        """Every actor call returns once its work is done: nothing to wait for here."""
+
     def _guarded(self, method: str, *args, extra=()):
         """A call that turns this engine inert (instead of raising) when its actor is lost."""
         if self.lost:

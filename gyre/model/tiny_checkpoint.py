@@ -332,6 +332,12 @@ def write_tokenizer_files(
     hf_dir.write_json(os.path.join(path, "generation_config.json"), generation_config(tokenizer))
 
 
+def tiny_qwen3_path(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
+    """Where :func:`cached_tiny_qwen3` keeps (spec, seed)'s directory; writes nothing."""
+    key = json.dumps([hf.config_to_hf(spec), seed, QWEN3_CHAT_TEMPLATE], sort_keys=True)
+    return os.path.join(root, "qwen3-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
 def cached_tiny_qwen3(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
     """A :func:`write_tiny_qwen3` directory for (spec, seed) under ``root``, written once.
 
@@ -340,8 +346,7 @@ def cached_tiny_qwen3(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
     folder first and renamed, so a crash never leaves half a checkpoint and two runs racing
     to make it both end up with the same files.
     """
-    key = json.dumps([hf.config_to_hf(spec), seed, QWEN3_CHAT_TEMPLATE], sort_keys=True)
-    path = os.path.join(root, "qwen3-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    path = tiny_qwen3_path(root, spec, seed)
     if os.path.isdir(path):
         return path
     os.makedirs(root, exist_ok=True)

@@ -1,7 +1,7 @@
 """The experiment builder: the config becomes frozen specs once, the specs become the parts.
 
-    specs = build_specs(cfg)              # the only place below run.py that reads the config
-    rt = build_runtime(specs, workdir)    # cells, env, weights, trainer (or its restore), engines
+    specs = build_specs(cfg)              # run.py, once: the config's only reader
+    rt = build_runtime(specs, workdir)    # an entry (gyre/rl/experiment.py), from the specs    # cells, env, weights, trainer (or its restore), engines
     ctrl = Controller(rt)                 # gyre/rl/controller.py: schedules only
 
 Every spec is a frozen dataclass owned by its part (ModelSpec by the decoder, TrainerSpec by
@@ -41,39 +41,65 @@ from gyre.trajectory.batch import TrajectorySpec
 log = logging.getLogger(__name__)
 
 
-def _pick(cls, section, **extra):
-    """``cls`` from the keys of a config section that are fields of ``cls`` (plus ``extra``)."""
-    names = {f.name for f in dataclasses.fields(cls)} - set(extra)
-    return cls(**{k: section[k] for k in section.keys() if k in names}, **extra)
+class ConfigKeys:
+    """A validated config as flat 'section.key' -> value, recording every key the builder
+    reads: a key that reaches no spec (a renamed spec field's old name, say) is an error
+    instead of a setting that validates and does nothing."""
+
+    def __init__(self, cfg):
+        self.values = _flat(cfg.to_dict())
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str):
+        self.read.add(key)
+        return self.values[key]
+
+    def pick(self, cls, section: str, **extra):
+        """``cls`` from the keys of ``section`` named like its fields (plus ``extra``)."""
+        names = {f.name for f in dataclasses.fields(cls)} - set(extra)
+        given = {k: self[f"{section}.{k}"] for k in names if f"{section}.{k}" in self.values}
+        return cls(**given, **extra)
+
+    def unread(self) -> list[str]:
+        return sorted(set(self.values) - self.read)
 
 
-def _checkpoint_model(cfg, model: decoder.ModelSpec) -> tuple[str, decoder.ModelSpec]:
-    """(directory, architecture) of ``model.hf_dir``.
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _checkpoint_model(path: str, model: decoder.ModelSpec, seed: int):
+    """(directory, architecture, tiny) of ``model.hf_dir``; reads, never writes.
 
     "" = none (random init from the config's architecture); "tiny" = a tiny Qwen3 directory
-    of the config's architecture with a locally trained tokenizer, written once into the
-    cache (gyre/model/tiny_checkpoint.py): CPU runs of chat tasks go through the same loading
-    path as a real checkpoint. A directory with a tokenizer (a Hugging Face Qwen3
-    checkpoint) defines the architecture: the config's model.* keys then only set what
+    of the config's architecture with a locally trained tokenizer, made in the cache on first
+    use (:func:`prepare`; gyre/model/tiny_checkpoint.py): CPU runs of chat tasks go through
+    the same loading path as a real checkpoint. A directory with a tokenizer (a Hugging Face
+    Qwen3 checkpoint) defines the architecture: the config's model.* keys then only set what
     config.json does not hold (attention implementation, dtype). A directory without one (a
     ledger export) must match the config's architecture (checked when it loads).
     """
-    path = cfg.model.hf_dir
     if path == "tiny":
-        from gyre.cache import cache_dir
-        from gyre.model.tiny_checkpoint import cached_tiny_qwen3
+        from gyre.cache import cache_path
+        from gyre.model.tiny_checkpoint import tiny_qwen3_path
 
-        path = cached_tiny_qwen3(cache_dir("tiny_qwen3"), model, cfg.seed)
+        return tiny_qwen3_path(cache_path("tiny_qwen3"), model, seed), model, True
     if path and _has_tokenizer(path):
-        return path, _read_checkpoint(path, model).spec
-    return path, model
+        return path, _read_checkpoint(path, model).spec, False
+    return path, model, False
 
 
 def _has_tokenizer(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "tokenizer.json"))
 
 
-@functools.cache  # build_specs runs several times per launch; the files are read once
+@functools.cache  # the specs check reads it, the runtime loads it: the files are read once
 def _read_checkpoint(path: str, base: decoder.ModelSpec):
     from gyre.model.hf_dir import read_checkpoint
 
@@ -83,7 +109,6 @@ def _read_checkpoint(path: str, base: decoder.ModelSpec):
         raise ConfigError(f"config key 'model.hf_dir' ({path}): {e}") from e
 
 
-@functools.cache  # build_specs runs several times per launch; the file is read once
 def _seed_train_tps(name: str) -> float:
     """Train tokens/s of one cell in the calibration ``name``: the policy's figure until the
     run has timed its own micro-batches."""
@@ -95,99 +120,115 @@ def _seed_train_tps(name: str) -> float:
 
 
 def build_specs(cfg) -> Specs:
-    """Every part's spec from a validated config; a value a part rejects is a ConfigError."""
+    """Every part's spec from a validated config, read once (run.py calls it, and then only
+    the specs travel); a value a part rejects, or a key no spec takes, is a ConfigError.
+    Writes nothing."""
+    keys = ConfigKeys(cfg)
     try:
-        init_dir, model = _checkpoint_model(cfg, _pick(decoder.ModelSpec, cfg.model))
-        if cfg.cluster.backend == "ray" and (cfg.sft.steps or cfg.run.entry != "rl"):
-            raise ConfigError("config key 'cluster.backend' ('ray') runs the RL entry without a "
-                              "warm start: set sft.steps=0 (start from a warm start's export "
-                              "with model.hf_dir) and run.entry='rl'")  # fmt: skip
-        if is_chat(cfg.env.name) and cfg.sft.steps:
-            raise ConfigError(f"config key 'sft.steps' must be 0 for the chat task "
-                              f"{cfg.env.name!r}: the warm start makes ledger demonstrations")  # fmt: skip
-        trainer = TrainerSpec(
-            model=model,
-            optimizer=_pick(OptimizerSpec, cfg.train),
-            loss=_pick(LossSpec, cfg.train),
-            rows_per_microbatch=cfg.train.rows_per_microbatch,
-            max_bad_steps=cfg.train.max_bad_steps,
-            seed=cfg.seed,
-        )
-        trajectory = _pick(TrajectorySpec, cfg.trajectory, vocab_size=model.vocab_size,
-                           rows_per_microbatch=cfg.train.rows_per_microbatch)  # fmt: skip
-        env = _pick(EnvSpec, cfg.env, max_wrong=cfg.agent.max_retries, seed=cfg.seed)
-        sft_seed = cfg.seed if cfg.sft.seed < 0 else cfg.sft.seed
-        # The recipe holds only what the warm start uses, so RL-only settings (the reward, the
-        # packing ablation, PPO clipping) leave its cache key, and its cached weights, alone.
-        recipe = SftRecipe(
-            trainer=dataclasses.replace(
-                trainer,
-                objective="sft",
-                seed=sft_seed,
-                loss=LossSpec(),
-                optimizer=dataclasses.replace(trainer.optimizer, lr=cfg.sft.lr),
-            ),  # fmt: skip
-            # every path of a demonstration is a target, each token weighing the same
-            trajectory=TrajectorySpec(
-                model.vocab_size,
-                max_paths=0,
-                loss_mode="token-mean",
-                row_len=trajectory.row_len,
-                rows_per_microbatch=trajectory.rows_per_microbatch,
-            ),  # fmt: skip
-            # the task only: demonstrations never call a tool, so tool limits, injected faults
-            # and the RL seed leave the warm start (and its cache key) as it is
-            env=dataclasses.replace(
-                env, tool_timeout=EnvSpec.tool_timeout, fault_rate=0.0, seed=0
-            ),  # fmt: skip
-            batch=cfg.sft.batch,
-            mistake_prob=cfg.sft.mistake_prob,
-            context_window=cfg.agent.context_window,
-            seed=sft_seed,
-        )
-        return Specs(
-            name=cfg.name,
-            seed=cfg.seed,
-            init_dir=init_dir,
-            mesh=_pick(mesh.MeshSpec, cfg.mesh),
-            model=model,
-            rollout=_pick(RolloutSpec, cfg.rollout, model=model, seed=cfg.seed),
-            trainer=trainer,
-            trajectory=trajectory,
-            agent=_pick(
-                AgentSettings,
-                cfg.agent,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                partial_scale=cfg.env.partial_scale,
-            ),  # fmt: skip
-            env=env,
-            policy=_pick(PolicyParams, cfg.scheduler),
-            run=_pick(
-                RunSpec,
-                cfg.run,
-                policy=cfg.scheduler.policy,
-                handover=cfg.scheduler.handover,
-                switch_cost_s=cfg.scheduler.switch_cost_s,
-                checkpoint_every=cfg.train.checkpoint_every,
-                keep_checkpoints=cfg.train.keep_checkpoints,
-                seed=cfg.seed,
-                seed_train_tps=_seed_train_tps(cfg.scheduler.calibration),
-            ),  # fmt: skip
-            cluster=_pick(ClusterSpec, cfg.cluster),
-            eval=EvalSpec(cfg.eval.tasks, cfg.eval.every, cfg.eval.temperature, cfg.seed),
-            sft=SftSpec(
-                recipe,
-                cfg.sft.steps,
-                cfg.sft.target_accuracy,
-                cfg.sft.eval_every,
-                max(cfg.eval.tasks, 16),
-                cfg.sft.dir,
-            ),  # fmt: skip
-        )
+        specs = _build(keys)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
+    if keys.unread():
+        raise ConfigError(f"config keys {keys.unread()} reach no spec: the builder "
+                          "(gyre/rl/builder.py) must map them or config.py drop them")  # fmt: skip
+    return specs
+
+
+def _build(keys: ConfigKeys) -> Specs:
+    seed, entry = keys["seed"], keys["run.entry"]
+    init_dir, model, tiny = _checkpoint_model(keys["model.hf_dir"],
+                                              keys.pick(decoder.ModelSpec, "model"), seed)  # fmt: skip
+    env_name, sft_steps = keys["env.name"], keys["sft.steps"]
+    if keys["cluster.backend"] == "ray" and (sft_steps or entry != "rl"):
+        raise ConfigError("config key 'cluster.backend' ('ray') runs the RL entry without a "
+                          "warm start: set sft.steps=0 (start from a warm start's export "
+                          "with model.hf_dir) and run.entry='rl'")  # fmt: skip
+    if is_chat(env_name) and sft_steps:
+        raise ConfigError(f"config key 'sft.steps' must be 0 for the chat task {env_name!r}: "
+                          "the warm start makes ledger demonstrations")  # fmt: skip
+    rows = keys["train.rows_per_microbatch"]
+    trainer = TrainerSpec(
+        model=model,
+        optimizer=keys.pick(OptimizerSpec, "train"),
+        loss=keys.pick(LossSpec, "train"),
+        rows_per_microbatch=rows,
+        max_bad_steps=keys["train.max_bad_steps"],
+        seed=seed,
+    )
+    trajectory = keys.pick(TrajectorySpec, "trajectory", vocab_size=model.vocab_size,
+                           rows_per_microbatch=rows)  # fmt: skip
+    env = keys.pick(EnvSpec, "env", max_wrong=keys["agent.max_retries"], seed=seed)
+    sft_seed = seed if keys["sft.seed"] < 0 else keys["sft.seed"]
+    context_window = keys["agent.context_window"]
+    # The recipe holds only what the warm start uses, so RL-only settings (the reward, the
+    # packing ablation, PPO clipping) leave its cache key, and its cached weights, alone.
+    recipe = SftRecipe(
+        trainer=dataclasses.replace(
+            trainer,
+            objective="sft",
+            seed=sft_seed,
+            loss=LossSpec(),
+            optimizer=dataclasses.replace(trainer.optimizer, lr=keys["sft.lr"]),
+        ),  # fmt: skip
+        # every path of a demonstration is a target, each token weighing the same
+        trajectory=TrajectorySpec(
+            model.vocab_size,
+            max_paths=0,
+            loss_mode="token-mean",
+            row_len=trajectory.row_len,
+            rows_per_microbatch=trajectory.rows_per_microbatch,
+        ),  # fmt: skip
+        # the task only: demonstrations never call a tool, so tool limits, injected faults
+        # and the RL seed leave the warm start (and its cache key) as it is
+        env=dataclasses.replace(env, tool_timeout=EnvSpec.tool_timeout, fault_rate=0.0, seed=0),
+        batch=keys["sft.batch"],
+        mistake_prob=keys["sft.mistake_prob"],
+        context_window=context_window,
+        seed=sft_seed,
+    )
+    eval_tasks = keys["eval.tasks"]
+    return Specs(
+        name=keys["name"],
+        seed=seed,
+        entry=entry,
+        init_dir=init_dir,
+        tiny_init=tiny,
+        mesh=keys.pick(mesh.MeshSpec, "mesh"),
+        model=model,
+        rollout=keys.pick(RolloutSpec, "rollout", model=model, seed=seed),
+        trainer=trainer,
+        trajectory=trajectory,
+        agent=keys.pick(AgentSettings, "agent", max_new_tokens=keys["rollout.max_new_tokens"],
+                        partial_scale=keys["env.partial_scale"]),  # fmt: skip
+        env=env,
+        policy=keys.pick(PolicyParams, "scheduler"),
+        run=keys.pick(
+            RunSpec,
+            "run",
+            policy=keys["scheduler.policy"],
+            handover=keys["scheduler.handover"],
+            switch_cost_s=keys["scheduler.switch_cost_s"],
+            checkpoint_every=keys["train.checkpoint_every"],
+            keep_checkpoints=keys["train.keep_checkpoints"],
+            seed=seed,
+            seed_train_tps=_seed_train_tps(keys["scheduler.calibration"]),
+        ),  # fmt: skip
+        cluster=keys.pick(ClusterSpec, "cluster"),
+        eval=EvalSpec(eval_tasks, keys["eval.every"], keys["eval.temperature"], seed),
+        sft=SftSpec(recipe, sft_steps, keys["sft.target_accuracy"], keys["sft.eval_every"],
+                    max(eval_tasks, 16), keys["sft.dir"]),  # fmt: skip
+    )
+
+
+def prepare(specs: Specs) -> None:
+    """Makes the inputs the specs name but nobody ships: the tiny checkpoint of a ``tiny``
+    run, in the cache (once; named by what it depends on)."""
+    if specs.tiny_init and not os.path.isdir(specs.init_dir):
+        from gyre.model.tiny_checkpoint import cached_tiny_qwen3
+
+        cached_tiny_qwen3(os.path.dirname(specs.init_dir), specs.model, specs.seed)
 
 
 @dataclasses.dataclass
@@ -248,6 +289,7 @@ class Runtime:
 def text_checkpoint(specs: Specs):
     """The run's Hugging Face checkpoint (gyre.model.hf_dir.Checkpoint) when ``model.hf_dir``
     is one with a tokenizer, else None (no checkpoint, or a ledger export). Read once."""
+    prepare(specs)
     if not specs.init_dir or not _has_tokenizer(specs.init_dir):
         return None
     return _read_checkpoint(specs.init_dir, specs.model)

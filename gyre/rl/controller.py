@@ -24,28 +24,25 @@ import asyncio
 import collections
 import time
 
-import jax
-import numpy as np
-
-from gyre.agent.harness import run_execution
 from gyre.elastic import policy as policies
 from gyre.errors import CellLost
 from gyre.rl import evaluation
 from gyre.rl.evaluation import Notifying
 from gyre.rl.measure import PoolCounters, RunFigures
-from gyre.rl.progress import RoleTimeline, TraceWriter
-from gyre.rl.work import StepRecord, StepWork, step_tasks
+from gyre.rl.progress import RoleTimeline
+from gyre.rl.rollouts import Rollouts
+from gyre.rl.tasks import Supervised
+from gyre.rl.work import StepRecord, StepWork
 
 
 class Controller:
-    """Runs ``rt.specs.run.steps`` RL steps of the runtime ``rt`` (gyre/rl/builder.py).
+    """Runs ``rt.specs.run.steps`` RL steps of the runtime ``rt`` (gyre/rl/builder.py),
+    seeing its proxy and trainer only through their declared interfaces (gyre/rl/interfaces.py).
 
-    policy_fn: an allocation policy (default: the configured one); timeline: the run's role
-    time line (default: a new one); after_microbatch: a hook called after every micro-batch
-    gradient (tests use it to kill the run at a chosen point); should_stop: asked after each
-    finished step, True ends the loop there (a requested stop); on_progress: called whenever
-    something finishes (a model call, an execution, a micro-batch, a step: the run's watchdog
-    beat, gyre/watchdog.py).
+    policy_fn: a scheduler policy (default: the configured one); timeline: the role time line;
+    after_microbatch(count): called after every gradient (tests kill the run with it);
+    should_stop(): asked after each step, True ends the loop there; on_progress(): called
+    whenever something finishes (the watchdog's beat, gyre/watchdog.py).
     """
 
     def __init__(self, rt, policy_fn=None, timeline=None, after_microbatch=None,
@@ -54,23 +51,21 @@ class Controller:
         self.policy = policy_fn or policies.POLICIES[self.specs.run.policy]
         self.after_microbatch = after_microbatch
         self.should_stop = should_stop or (lambda: False)
+        self.on_progress = on_progress or (lambda: None)
         self.roles = ["rollout"] * len(rt.cells)
         self.timeline = timeline or RoleTimeline(len(rt.cells))
         self.timeline.set_all("rollout")
-        self.trace = TraceWriter(rt.path("trace.jsonl"), self.specs.agent.max_seconds)
-        self.counters = collections.Counter()  # dispatched, started, finished
+        self.wake = asyncio.Event()
+        self.tasks = Supervised(lambda: self.wake.set())
+        self.rollouts = Rollouts(self.specs, rt.env, self.proxy, self.timeline,
+                                 rt.path("trace.jsonl"), self.progress, self.tasks.start)  # fmt: skip
+        self.counters = self.rollouts.counters  # dispatched, started, finished
         self.handovers = collections.Counter()  # by path; and what lost cells cost
-        self._lost_retried = 0
         self.steps: dict[int, StepWork] = {}
         self.next_step = self.trainer.version  # one optimizer step per RL step
-        self.wake = asyncio.Event()
-        self.failure: BaseException | None = None  # the first error of a background task
-        self._tasks: set[asyncio.Task] = set()
-        self._rr = 0
-        self.on_progress = on_progress or (lambda: None)
-        run = self.specs.run
-        self.figures = RunFigures(len(rt.cells), run.seed_train_tps, run.switch_cost_s)
-        self.gate: asyncio.Semaphore | None = None  # agent.concurrency executions at a time
+        self._rr = 0  # round robin over the train cells
+        self.figures = RunFigures(len(rt.cells), self.specs.run.seed_train_tps,
+                                  self.specs.run.switch_cost_s)  # fmt: skip
         self.pools = PoolCounters(self.proxy.kv_stats())
 
     def progress(self) -> None:
@@ -78,36 +73,27 @@ class Controller:
         self.on_progress()
         self.wake.set()
 
-    def where(self) -> str:
-        """Where the run stands, for the watchdog's message."""
-        live = sum(e.num_live for e in self.proxy.engines.values())
-        return (f"weights at version {self.trainer.version}, steps in flight {sorted(self.steps)}, "
-                f"executions finished {self.counters['finished']} of "
-                f"{self.counters['dispatched']} dispatched, {live} live model requests, "
-                f"roles {self.roles}")  # fmt: skip
-
     # ------------------------------------------------------------------ policy and roles
 
     def alive(self) -> list[int]:
         """Cell indices still in the run (a lost cell's process is gone: gyre/cluster/)."""
         return [i for i in range(len(self.roles)) if i not in self.proxy.lost]
 
+    def oldest(self) -> StepWork | None:
+        """The step being trained: a later step's gradient must be taken at the weights its
+        update is applied to, which exist once the older step's update lands."""
+        return self.steps[min(self.steps)] if self.steps else None
+
     def snapshot(self) -> policies.LoadSnapshot:
         """The policy's view of the cells still alive, every figure measured
         (gyre/rl/measure.py, the KV pools)."""
-        # Only the oldest step's micro-batches are trainable now (see train_one).
-        oldest = self.steps[min(self.steps)] if self.steps else None
-        run = self.specs.run
-        engines = self.proxy.engines  # by cell index
-        alive = self.alive()
+        run, alive, oldest = self.specs.run, self.alive(), self.oldest()
         pick = lambda xs: tuple(xs[i] for i in alive)
-        live = tuple(engines[i].num_live if self.roles[i] == "rollout" else 0 for i in alive)
+        live = self.proxy.live_requests()
         return policies.LoadSnapshot(
             roles=pick(self.roles),
-            dispatched=self.counters["dispatched"],
-            started=self.counters["started"],
-            finished=self.counters["finished"],
-            live_requests=live,
+            **{k: self.counters[k] for k in ("dispatched", "started", "finished")},
+            live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
             train_queue_tokens=oldest.queued_tokens if oldest else 0.0,
             rollout_capacity=pick(self.proxy.capacity_contexts()),
             train_throughput=pick(self.figures.train_throughput()),
@@ -120,7 +106,8 @@ class Controller:
         )
 
     def apply_roles(self, roles) -> None:
-        """Switches cells to ``roles`` (one per cell still alive, in index order)."""
+        """Switches cells to ``roles`` (one per cell still alive, in index order): a cell
+        leaving rollout hands its live requests over, one joining gets the newest weights."""
         for i, role in zip(self.alive(), roles):
             if role == self.roles[i]:
                 continue
@@ -128,13 +115,11 @@ class Controller:
             t0 = time.perf_counter()
             if role == "train":
                 self.handovers.update(self.proxy.release(i, self.specs.run.handover))
-                jax.block_until_ready([e.cache for e in self.proxy.engines.values()])
-                self.figures.record_switch("r2t", time.perf_counter() - t0)
             else:
                 self.proxy.admit(i, self.trainer.params, self.trainer.version)
-                engine = self.proxy.engines[i]
-                jax.block_until_ready((engine.weights, engine.cache))  # the weights are loaded
-                self.figures.record_switch("t2r", time.perf_counter() - t0)
+            self.proxy.wait_ready(i)  # the moved rows, or the loaded weights, have landed
+            self.figures.record_switch("r2t" if role == "train" else "t2r",
+                                       time.perf_counter() - t0)  # fmt: skip
             self.roles[i] = role
             self.timeline.switch(i, role)
         self._forget_lost()
@@ -147,59 +132,18 @@ class Controller:
                 self.timeline.switch(i, "lost")
                 self.handovers["cells_lost"] += 1
 
-    # ------------------------------------------------------------------ rollout side
-
     def dispatch(self, step: int) -> None:
-        run = self.specs.run
-        tasks = step_tasks(self.rt.env, run.seed, step, run.tasks_per_step)
-        work = StepWork(step, self.trainer.version, len(tasks), time.time())
-        self.steps[step] = work
-        self.counters["dispatched"] += len(tasks) * run.samples_per_task
-        for group, task in enumerate(tasks):
-            self._start(self._run_group(work, task, group))
+        self.steps[step] = self.rollouts.dispatch(step, self.trainer.version)
         self.next_step = step + 1
-
-    def _start(self, coro) -> asyncio.Task:
-        """A background task whose error ends the run at once (never a silent hang)."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self.failure is None:
-            self.failure = task.exception()
-            self.wake.set()
-
-    async def _run_group(self, work: StepWork, task, group: int) -> None:
-        client = Notifying(self.proxy, self.progress)
-
-        async def one(k: int):
-            async with self.gate:  # at most agent.concurrency executions run at once
-                self.counters["started"] += 1
-                start = self.timeline.now()
-                # Sample k's id '<task>/<k>#0' keys its sampling: unique, and the same on resume.
-                res = await run_execution(self.rt.env, task, client, self.specs.agent,
-                                          f"{task.task_id}/{k}#0")  # fmt: skip
-            self.counters["finished"] += 1
-            self.trace.record(res, work.step, group, start, self.timeline.now())
-            self.progress()
-            return res
-
-        results = await asyncio.gather(*(one(k) for k in range(self.specs.run.samples_per_task)))
-        work.add_group(list(results), self.specs.trajectory)
-        self.progress()
 
     # ------------------------------------------------------------------ train side
 
     def train_one(self) -> bool:
-        """Computes one queued micro-batch on the next train cell; False if nothing to do."""
+        """Computes one queued micro-batch of the oldest step on the next train cell; False if
+        there is nothing to do."""
         self._forget_lost()
         cells = [c for c in self.rt.cells if self.roles[c.index] == "train"]
-        # Only the oldest step trains: a later step's gradient must be taken at the weights
-        # its update is applied to, which exist once the older step's update lands.
-        work = self.steps[min(self.steps)] if self.steps else None
+        work = self.oldest()
         if not cells or work is None or not work.queue:
             return False
         part, mb = work.queue.popleft()
@@ -217,8 +161,7 @@ class Controller:
             self.progress()
             return True
         work.grads.append((part, res))
-        self.figures.time_microbatch(cell.index, float(np.sum(mb.arrays["w"] > 0)), res.metrics,
-                                     tick)  # fmt: skip
+        self.figures.time_microbatch(cell.index, mb.trainable_tokens, res.metrics, tick)
         self.timeline.busy(cell.index, time.time() - t0)
         self.progress()
         if self.after_microbatch is not None:
@@ -229,10 +172,7 @@ class Controller:
         """Applies the step's update, publishes the new weights, returns the step's record."""
         outcome = self.trainer.apply_parts(work.grads, work.part_counts)
         self._forget_lost()
-        retried = self.proxy.stats["lost_retried"]  # calls of lost cells, retried elsewhere
-        if retried > self._lost_retried:
-            self.handovers["lost_retried"] += retried - self._lost_retried
-            self._lost_retried = retried
+        self.handovers["lost_retried"] += self.proxy.take_lost_retried()
         self.proxy.set_weights(self.trainer.params, self.trainer.version)
         del self.steps[work.step]
         return StepRecord(
@@ -262,13 +202,11 @@ class Controller:
         """Runs until run.steps optimizer steps exist, or a requested stop after a step;
         ``await on_step(record)`` after each step. -> whether every step ran."""
         self.wake = asyncio.Event()
-        self.gate = asyncio.Semaphore(self.specs.agent.concurrency)
-        pump = self._start(self.proxy.run())
+        self.tasks.start(self.proxy.run())
         steps = self.specs.run.steps
         try:
             while self.trainer.version < steps:
-                if self.failure is not None:
-                    raise self.failure
+                self.tasks.check()
                 alloc = self.policy(self.snapshot(), self.specs.policy)
                 self.apply_roles(alloc.roles)
                 if alloc.dispatch and self.next_step < steps:
@@ -287,14 +225,11 @@ class Controller:
                     await asyncio.sleep(0)  # let rollout progress between micro-batches
                     continue
                 if not self.steps:
-                    raise RuntimeError(
-                        f"scheduler {self.specs.run.policy!r} made no progress: roles "
-                        f"{self.roles}, reason {alloc.reason!r}"
-                    )
+                    raise RuntimeError(f"scheduler {self.specs.run.policy!r} made no progress: "
+                                       f"roles {self.roles}, reason {alloc.reason!r}")  # fmt: skip
                 self.wake.clear()
                 await self.wake.wait()
         finally:
             self.figures.close()
-            for task in [pump, *self._tasks]:
-                task.cancel()
+            self.tasks.cancel()
         return True

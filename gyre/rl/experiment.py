@@ -1,5 +1,5 @@
-"""The experiments launch.py runs (``run.entry``): each reads the config once, through the
-builder, and hands specs to the library.
+"""The experiments launch.py runs (``run.entry``): each takes the specs gyre/run.py built
+from the config, and a workdir.
 
 - ``rl``: supervised warm start, RL under the elastic scheduler, evaluation, plots;
 - ``sft``: the supervised warm start alone, exported as a Hugging Face checkpoint;
@@ -21,10 +21,10 @@ from gyre.envs.registry import is_chat, make_env
 from gyre.errors import AlreadyFinished, Stopped
 from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics, write_json
 from gyre.model.hf import save_hf
-from gyre.rl.builder import build_runtime, build_specs, text_checkpoint
+from gyre.rl.builder import build_runtime, text_checkpoint
 from gyre.rl.controller import Controller
 from gyre.rl.progress import RoleTimeline, RunLedger
-from gyre.rl.report import rl_status, summary_table, where_line
+from gyre.rl.report import rl_status, summary_table, where_line, where_now
 from gyre.rl.transcripts import write_step_transcripts
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
@@ -123,7 +123,7 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict,
         hb.say("before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval_start"].items()))
 
 
-def rl(cfg, workdir: str, after_microbatch=None) -> dict:
+def rl(specs, workdir: str, after_microbatch=None) -> dict:
     """Runs (or resumes) one RL experiment in ``workdir`` and returns its summary.
 
     after_microbatch: a hook called with the micro-batch count (tests kill the run, or one of
@@ -131,7 +131,6 @@ def rl(cfg, workdir: str, after_microbatch=None) -> dict:
     AlreadyFinished and leaves the workdir as it is.
     """
     t0 = time.time()
-    specs = build_specs(cfg)
     rt = build_runtime(specs, workdir)
     try:
         return _rl(rt, t0, after_microbatch)
@@ -179,7 +178,7 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
                 save_summary()
             ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch,
                               should_stop=stop_requested, on_progress=watchdog.beat)  # fmt: skip
-            where["now"] = ctrl.where
+            where["now"] = lambda: where_now(ctrl)
             watchdog.beat()  # what came before RL has finished: the controller's time starts now
             recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)
             rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
@@ -240,10 +239,9 @@ def export_checkpoint(rt, params) -> str:
     return path
 
 
-def sft(cfg, workdir: str) -> dict:
+def sft(specs, workdir: str) -> dict:
     """The warm start alone, exported as a Hugging Face checkpoint in <workdir>/hf (a run
     starts from it with --config.model.hf_dir=<workdir>/hf)."""
-    specs = build_specs(cfg)
     rt = build_runtime(specs, workdir)
     try:
         params, info = run_warm_start(rt)
@@ -256,9 +254,8 @@ def sft(cfg, workdir: str) -> dict:
     return info
 
 
-def harness(cfg, workdir: str) -> dict:
+def harness(specs, workdir: str) -> dict:
     """The scripted harness on the ledger task; figures to <workdir>/harness.json."""
-    specs = build_specs(cfg)
     run = specs.run
     summary = run_scripted_harness(make_env(specs.env), specs.agent, specs.seed,
                                    run.tasks_per_step, run.samples_per_task)  # fmt: skip
@@ -268,7 +265,6 @@ def harness(cfg, workdir: str) -> dict:
     return summary
 
 
-def smoke_test(cfg, workdir: str) -> dict:
+def smoke_test(specs, workdir: str) -> dict:
     """Cells, a tiny model, one forward/backward, a role move (gyre/smoke.py)."""
-    specs = build_specs(cfg)
     return smoke.run(specs.mesh, specs.model, specs.seed, workdir)

@@ -21,6 +21,13 @@ def where_line(rt, workdir: str) -> str:
             f"{s.run.samples_per_task} samples, env {s.env.name}; workdir {workdir}")  # fmt: skip
 
 
+def where_now(ctrl) -> str:
+    """Where the RL loop stands, for the watchdog's message."""
+    return (f"weights at version {ctrl.trainer.version}, steps in flight {sorted(ctrl.steps)}, "
+            f"executions finished {ctrl.counters['finished']} of "
+            f"{ctrl.counters['dispatched']} dispatched, roles {ctrl.roles}")  # fmt: skip
+
+
 def rl_status(ctrl, first_version: int, elapsed: float) -> str:
     """The live line of the RL loop: step, executions, micro-batches, roles, ETA."""
     steps, v = ctrl.specs.run.steps, ctrl.trainer.version

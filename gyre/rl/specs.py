@@ -8,6 +8,8 @@ config once, and nothing below the builder reads the config again.
 from __future__ import annotations
 
 import dataclasses
+import json
+import typing
 
 from gyre.agent.context import AgentSettings
 from gyre.cluster.spec import ClusterSpec
@@ -102,11 +104,13 @@ class SftSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Specs:
-    """Every part's spec, as the builder made them."""
+    """Every part's spec, as the builder made them (written to <workdir>/specs.json)."""
 
     name: str
     seed: int
+    entry: str  # the library function run.py calls (gyre/run.py ENTRIES)
     init_dir: str  # HF checkpoint directory of the initial weights ("" = random init)
+    tiny_init: bool  # init_dir is a tiny checkpoint made in the cache on first use
     mesh: MeshSpec
     model: ModelSpec
     rollout: RolloutSpec
@@ -119,3 +123,27 @@ class Specs:
     eval: EvalSpec
     sft: SftSpec
     cluster: ClusterSpec = ClusterSpec()
+
+
+def to_json(specs: Specs) -> str:
+    """The specs as JSON (what :func:`from_json` reads back)."""
+    return json.dumps(dataclasses.asdict(specs), indent=2, sort_keys=True)
+
+
+def from_json(text: str) -> Specs:
+    """The :class:`Specs` of :func:`to_json`'s text (e.g. a workdir's specs.json)."""
+    return _decode(Specs, json.loads(text))
+
+
+def _decode(cls, value):
+    """``value`` (parsed JSON) as an instance of the type ``cls``: dataclasses field by field,
+    tuples from lists, anything else as it is."""
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls)
+        return cls(**{f.name: _decode(hints[f.name], value[f.name])
+                      for f in dataclasses.fields(cls) if f.name in value})  # fmt: skip
+    if typing.get_origin(cls) is tuple:
+        args = typing.get_args(cls)
+        item = args[0] if args else typing.Any
+        return tuple(_decode(item, v) for v in value)
+    return value

@@ -237,9 +237,6 @@ class Engine:
     back on another cell counts nothing here.
     """
 
-    # A cell in this process is never lost (gyre/cluster/remote.py: a RemoteEngine can be).
-    lost = False
-    orphans: tuple[int, ...] = ()
 
     def __init__(self, spec: RolloutSpec, cell: gmesh.Cell, state, version: int = 0):
         r = spec
@@ -321,6 +318,17 @@ class Engine:
                 slot.rewind(0)
                 slot.owner = None
         self.evicted.clear()
+
+    def wait_ready(self) -> None:
+        """Blocks until the weights and the KV cache are on the cell's devices."""
+        jax.block_until_ready((self.weights, self.cache))
+
+    def lost_calls(self) -> None:
+        """A cell in this process is never lost (a Ray actor's can be: gyre/cluster/)."""
+        return None
+
+    def lose(self) -> None:
+        raise RuntimeError(f"cell {self.cell.index} runs in this process and cannot be lost")
 
     def _serving(self, state):
         """The stacked parameter state -> the weights the programs read, in this cell's

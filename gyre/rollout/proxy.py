@@ -39,8 +39,8 @@ import time
 import numpy as np
 
 from gyre.errors import CellLost
-from gyre.rollout.engine import Engine, footprint, request_name, validate_request
-from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse
+from gyre.rollout.engine import footprint, request_name, validate_request
+from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse, ServingEngine
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class Call:
 class Proxy:
     """Routes calls over the engines of the rollout cells. Drive it with run() or pump()."""
 
-    def __init__(self, engines: list[Engine]):
+    def __init__(self, engines: list[ServingEngine]):
         if not engines:
             raise ValueError("proxy needs at least one engine")
         self.engines = {e.cell.index: e for e in engines}
@@ -78,6 +78,7 @@ class Proxy:
         self.latest_weights = None
         self.lost: set[int] = set()  # cells whose process was lost (gyre/cluster/remote.py)
         self._rids = itertools.count()
+        self._lost_taken = 0  # lost_retried counted by take_lost_retried so far
         self._wake: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ caller side
@@ -174,11 +175,12 @@ class Proxy:
         """Cells newly lost leave rollout; the calls live there wait again, to be retried from
         their exact token record (the tokens of the attempt in flight went with the cell; keyed
         sampling makes them again). -> whether any cell was newly lost."""
-        new = [i for i, e in self.engines.items() if e.lost and i not in self.lost]
+        lost = {i: e.lost_calls() for i, e in self.engines.items() if i not in self.lost}
+        new = [i for i, calls in lost.items() if calls is not None]
         for index in new:
             self.lost.add(index)
             self.rollout.discard(index)
-            orphans = [rid for rid in self.engines[index].orphans if rid in self.calls]
+            orphans = [rid for rid in lost[index] if rid in self.calls]
             for rid in reversed(orphans):
                 self.calls[rid].cell = None
                 if rid not in self.waiting:
@@ -261,7 +263,7 @@ class Proxy:
         """Marks a cell lost (found so outside the proxy, e.g. by a gradient call): it leaves
         rollout and whatever was live on it is retried elsewhere."""
         engine = self.engines[cell_index]
-        if not engine.lost:
+        if engine.lost_calls() is None:
             engine.lose()
         self._dispatch()
         self._notify()
@@ -279,6 +281,19 @@ class Proxy:
         self._dispatch()
         self._notify()
 
+    def wait_ready(self, cell_index: int | None = None) -> None:
+        """Blocks until every rollout engine (and ``cell_index``'s) holds the weights and KV
+        rows it was last given: a hand-over or a weight load has landed."""
+        cells = self.rollout | ({cell_index} if cell_index is not None else set())
+        for index in sorted(cells - self.lost):
+            self.engines[index].wait_ready()
+
+    def take_lost_retried(self) -> int:
+        """Calls of lost cells retried elsewhere since the last take."""
+        total = self.stats["lost_retried"]
+        count, self._lost_taken = total - self._lost_taken, total
+        return count
+
     def set_weights(self, state, version: int) -> None:
         """Publishes a new weight version to every rollout cell (between steps)."""
         self.latest_weights = (state, version)
@@ -289,6 +304,10 @@ class Proxy:
         """Compiles every rollout engine's programs now (start-up), not on the first call."""
         for index in sorted(self.rollout):
             self.engines[index].warmup()
+
+    def live_requests(self) -> tuple[int, ...]:
+        """Per cell index: the model calls it holds now."""
+        return tuple(self.engines[i].num_live for i in sorted(self.engines))
 
     def capacity_contexts(self) -> tuple[float, ...]:
         """Per cell index (every cell, in or out of rollout): requests its KV pool holds at once

@@ -81,6 +81,11 @@ class Microbatch:
     exec_ids: list
     index: int = 0
 
+    @property
+    def trainable_tokens(self) -> float:
+        """Tokens with a loss weight: the work this micro-batch asks of a train cell."""
+        return float(np.sum(self.arrays["w"] > 0))
+
 
 @dataclasses.dataclass
 class GradResult:

@@ -1,0 +1,142 @@
+"""The config's one boundary: every key reaches a spec, the specs travel alone.
+
+gyre/run.py validates the ConfigDict, builds the specs once (gyre/rl/builder.py), writes them to
+specs.json and hands only them on. These tests pin the three halves of that promise: no key
+is read by nobody, no module below the builder sees a ConfigDict, and specs.json reads back
+as the specs that ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from gyre.config import default_config, validate
+from gyre.errors import ConfigError
+from gyre.rl import builder
+from gyre.rl.specs import Specs, from_json, to_json
+
+# A valid value other than the default, for keys whose generic change (below) is invalid or
+# means nothing; strings all need one.
+CHANGED = {
+    "name": "other",
+    "mesh.cpu_devices": 4,
+    "mesh.cache_dir": "/somewhere/xla",
+    "model.head_dim": 32,
+    "model.num_heads": 8,
+    "model.num_kv_heads": 1,
+    "model.attention": "dense",
+    "model.dtype": "bfloat16",
+    "model.hf_dir": "tiny",  # resolved to a cache path; building writes nothing
+    "trajectory.row_len": 2048,
+    "trajectory.loss_mode": "token-mean",
+    "trajectory.packing": "flat",
+    "trajectory.reward": "binary",
+    "rollout.kv_block": 64,
+    "rollout.decode_steps": 4,
+    "rollout.cpu_vector_width": 256,
+    "cluster.backend": "ray",
+    "cluster.address": "auto",
+    "env.name": "code",
+    "env.tasks": "chain_sum",
+    "run.entry": "sft",
+    "scheduler.policy": "async",
+    "scheduler.handover": "retry",
+    "scheduler.calibration": "h200_2p4t",
+    "sft.dir": "/somewhere/warmstarts",
+    "sft.seed": 5,
+}
+
+
+def _flat_keys(c, prefix=""):
+    for key in c.keys():
+        value = c[key]
+        if hasattr(value, "keys"):
+            yield from _flat_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _changed(key: str, value):
+    if key in CHANGED:
+        return CHANGED[key]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value / 2 if value > 0 else 0.25
+    raise AssertionError(f"no changed value for the string key {key!r}: add it to CHANGED")
+
+
+def _set(cfg, key: str, value) -> None:
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
+
+
+KEYS = [k for k, _ in _flat_keys(default_config())]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_config_key_changes_the_specs(key):
+    base = builder.build_specs(default_config())
+    cfg = default_config()
+    _set(cfg, key, _changed(key, dict(_flat_keys(cfg))[key]))
+    validate(cfg)
+    assert builder.build_specs(cfg) != base, f"config key {key!r} changes no spec"
+
+
+def test_a_key_no_spec_takes_is_refused(monkeypatch):
+    """A key that validates but that the builder never reads (a renamed spec field's old
+    name, say) is an error, not a silent no-op."""
+    cfg = default_config()
+    cfg.train.old_name = 1.0
+    with pytest.raises(ConfigError, match=r"\['train\.old_name'\] reach no spec"):
+        builder.build_specs(cfg)
+
+
+def test_specs_json_reads_back_as_the_specs():
+    cfg = default_config()
+    cfg.model.hf_dir = "tiny"
+    cfg.scheduler.policy = "async"
+    specs = builder.build_specs(cfg)
+    back = from_json(to_json(specs))
+    assert isinstance(back, Specs) and back == specs
+    assert hash(back) == hash(specs)  # tuples stay tuples: specs key jit caches
+
+
+def test_building_specs_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = default_config()
+    cfg.model.hf_dir = "tiny"
+    specs = builder.build_specs(cfg)
+    assert specs.init_dir.startswith(str(tmp_path / "cache")) and specs.tiny_init
+    assert not (tmp_path / "cache").exists()
+
+
+PACKAGE = pathlib.Path(builder.__file__).resolve().parents[1]
+# Where a ConfigDict may appear: its definition, the boundary, and the builder it calls.
+CONFIG_READERS = {"config.py", "run.py", "rl/builder.py"}
+
+
+def test_no_module_below_the_builder_receives_a_config():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        if name in CONFIG_READERS:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [
+                    node.module or ""
+                ]
+                if any(m.startswith("ml_collections") or m == "gyre.config" for m in mods):
+                    offenders.append(f"{name}:{node.lineno} imports {mods}")
+            if isinstance(node, ast.Attribute) and node.attr == "build_specs":
+                offenders.append(f"{name}:{node.lineno} calls build_specs")
+            if isinstance(node, ast.arg) and node.arg == "cfg":
+                offenders.append(f"{name}:{node.lineno} takes a 'cfg' argument")
+    assert not offenders, offenders
