@@ -2,7 +2,7 @@
 
 The row is a shared prefix plus sibling branches (default: 2048 + 8 x 1024 = 10240 tokens, the
 shape of retries from one point). Also times the same block-sparse kernel on a causal row of the
-same length, the like-with-like reference of DESIGN.md.
+same length: the like-with-like reference (docs/exactness.md).
 
     source .venv/bin/activate && PYTHONPATH=. python benchmarks/tree_attention.py [--small]
 

@@ -158,7 +158,7 @@ def scenarios(steps: int | None = None) -> list[Scenario]:
                 "most executions reach the timeout (the paper: 61%).",
                 "Note: with a 4 h timeout reached by most queries, an on-policy colocated step "
                 "cannot be shorter than 4 h, so 48 colocated steps take >= 192 h here; the "
-                "reported 91.5 h implies a different step structure than DESIGN.md's colocate.",
+                "reported 91.5 h implies a different step structure than Gyre's colocate (docs/policies.md).",
             ),
         ),
     ]

@@ -38,7 +38,7 @@ def get_config(arg=None):
     c.name = "quickstart"
     c.run.entry = "rl"
     c.mesh.cell_size = 2
-    # ~0.6M parameters: the size LEDGER_NOTES found learnable on CPU.
+    # ~0.6M parameters: a size that learns the ledger on CPU in minutes (BENCHMARKS.md).
     c.model.vocab_size = VOCAB_SIZE  # the ledger's 28 tokens
     c.model.d_model = 128
     c.model.num_layers = 3
@@ -58,7 +58,6 @@ def get_config(arg=None):
     c.rollout.temperature = 1.0
     c.trajectory.row_len = 512
     c.trajectory.loss_mode = "two-level"
-    c.train.lr = 1e-4
     c.train.grad_clip = 1.0
     c.train.rows_per_microbatch = 4
     c.scheduler.policy = "elastic"

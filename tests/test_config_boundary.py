@@ -140,3 +140,32 @@ def test_no_module_below_the_builder_receives_a_config():
             if isinstance(node, ast.arg) and node.arg == "cfg":
                 offenders.append(f"{name}:{node.lineno} takes a 'cfg' argument")
     assert not offenders, offenders
+
+
+def test_spec_defaults_equal_the_config_defaults():
+    """A spec built in code (a notebook, a test) behaves as one built from the default
+    config: where a spec field has a default, it is the config key's default."""
+    import dataclasses
+
+    from gyre.agent.context import AgentSettings
+    from gyre.cluster.spec import ClusterSpec
+    from gyre.elastic.policy import PolicyParams
+    from gyre.envs.registry import EnvSpec
+    from gyre.mesh import MeshSpec
+    from gyre.rollout.programs import RolloutSpec
+    from gyre.train.loss import LossSpec
+    from gyre.train.optimizer import OptimizerSpec
+    from gyre.trajectory.batch import TrajectorySpec
+
+    sections = {"mesh": [MeshSpec], "cluster": [ClusterSpec], "agent": [AgentSettings],
+                "env": [EnvSpec], "rollout": [RolloutSpec], "trajectory": [TrajectorySpec],
+                "train": [OptimizerSpec, LossSpec], "scheduler": [PolicyParams]}  # fmt: skip
+    cfg, differ = default_config(), []
+    for section, classes in sections.items():
+        for cls in classes:
+            for f in dataclasses.fields(cls):
+                if f.name in cfg[section] and f.default is not dataclasses.MISSING:
+                    if f.default != cfg[section][f.name]:
+                        differ.append(f"{section}.{f.name}: config {cfg[section][f.name]!r}, "
+                                      f"{cls.__name__} {f.default!r}")  # fmt: skip
+    assert not differ, differ

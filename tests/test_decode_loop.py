@@ -1,4 +1,4 @@
-"""Decode loops on the device and shared prefill (issue 17): the loop equals one token per
+"""Decode loops on the device and shared prefill: the loop equals one token per
 dispatch bit for bit; the samples of one task prefill their prompt once; nothing recompiles as
 the number of live requests changes; the loop's idle slot-steps are counted exactly."""
 

@@ -1,5 +1,5 @@
 """benchmarks/vs_tunix.py: its Gyre side, its flags, the skip without Tunix, and the engine
-after Tunix's import flips flax's ``flax_always_shard_variable`` (issue 17 part 6)."""
+after Tunix's import flips flax's ``flax_always_shard_variable``."""
 
 import json
 import math

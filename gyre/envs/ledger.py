@@ -10,7 +10,7 @@ Token format (see gyre/envs/vocab.py; numbers are digit runs, indices are 1-base
                 a sub-agent's is SUMMARY <number of wrong answers so far>
 
 With K <= header_ops the whole chain is listed in the header, with step-index tokens (the
-format a tiny model learns, see LEDGER_NOTES); a longer chain keeps a sliding window of
+format a tiny model learns: BENCHMARKS.md, "RL on the ledger task"); a longer chain keeps a sliding window of
 ``header_ops`` listed steps, so a compacted context stays small for any K.
 
 Milestones are DISTINCT correct steps (re-committing a step farms nothing). A WRONG commit

@@ -1,6 +1,6 @@
 """Optimizer of the core cell: global-norm clipping, AdamW, warmup then constant or cosine.
 
-Only the core cell holds optimizer state (DESIGN.md, "Cells and programs"); a role switch moves
+Only the core cell holds optimizer state (docs/sharding.md); a role switch moves
 weights only. :func:`state_shardings` gives the optimizer state the parameters' layout (first
 and second moments sharded like their parameters, scalars replicated) so the state can be built
 or restored directly on any core cell.
