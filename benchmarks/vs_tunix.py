@@ -1,9 +1,9 @@
 """Gyre's rollout engine vs Tunix's sampler on one Qwen3 checkpoint, alternating in one process.
 
 One random-init Qwen3 (hidden 256, 4 layers, 8 query / 4 kv heads of 32, MLP 768, vocab 4096,
-float32) is written once as config.json + model.safetensors (``gyre.model.hf.save_hf``), and
+float32) is written once as config.json + model.safetensors (``gyre.model.hf_dir.save``), and
 both sides load that folder: Tunix with ``tunix.models.qwen3.params``, Gyre with
-``gyre.model.hf.load_hf``. One CPU device, greedy, ``--new`` new tokens with no stop token,
+``gyre.model.hf_dir.load``. One CPU device, greedy, ``--new`` new tokens with no stop token,
 the same random prompts on both sides. For each (batch B, prompt P): Gyre's engine with
 slots = B and max_len = P + new; Tunix's ``Sampler`` with cache_size = P + new (its cache holds
 the prompt plus every sampled token; that is the smallest it accepts), so both hold the same
@@ -53,7 +53,7 @@ import numpy as np
 from gyre import mesh as gmesh
 from gyre.config import default_config
 from gyre.model import decoder as gdec
-from gyre.model import hf as ghf
+from gyre.model import hf_dir
 from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
 from gyre.rollout.programs import RolloutSpec, compiler_options
@@ -139,8 +139,8 @@ def write_checkpoint(folder: str, cfg, cell, seed: int) -> int:
 
     Returns the number of parameters."""
     spec = build_specs(cfg).model
-    graphdef, state = gdec.init_sharded(spec, seed, cell, "rollout")
-    ghf.save_hf(folder, graphdef, state, spec)
+    _, state = gdec.init_sharded(spec, seed, cell, "rollout")
+    hf_dir.save(folder, state, spec)
     return int(sum(x.size for x in jax.tree.leaves(state)))
 
 
@@ -176,7 +176,7 @@ class GyreSide:
         cfg = cfg.copy_and_resolve_references()
         cfg.rollout.slots, cfg.rollout.max_len = batch, prompt_len + new
         cfg.rollout.temperature = 0.0
-        _, self.state, model = ghf.load_hf(folder, build_specs(cfg).model, cell, "rollout")
+        model, self.state, _ = hf_dir.load(folder, build_specs(cfg).model, cell, "rollout")
         spec = dataclasses.replace(build_specs(cfg).rollout, model=model)
         if decode_steps:
             spec = dataclasses.replace(spec, decode_steps=decode_steps)

@@ -2,8 +2,9 @@
 
 Each is the slow, obvious version of something the code does fast or implicitly: a dense
 visibility mask for the tree layout, the numpy PPO objective, the root-to-leaf sequences of a
-demonstration, a per-token trie under the tree's merge rule, and flat per-path rows built
-from the records themselves.
+demonstration, a per-token trie under the tree's merge rule, flat per-path rows built
+from the records themselves, the sampler's logprob convention on the host, and a transformers
+Qwen3 model.
 """
 
 from __future__ import annotations
@@ -162,6 +163,17 @@ def flat_rows(executions, kept, coefs, advantages, row_len: int) -> dict:
         out["w"][r, cols] = w
         out["adv_pos"][r, cols], out["adv_neg"][r, cols] = w * max(a, 0), w * min(a, 0)
     return out
+
+
+def token_logprobs(logits_NxV, tokens_N, temperature: float) -> np.ndarray:
+    """float32[N] log-probabilities of ``tokens_N`` under the sampler's convention with
+    top_p = 1: ``log_softmax(logits / temperature)``, temperature 1 when greedy (0)."""
+    logits = np.asarray(logits_NxV, np.float64)
+    if temperature > 0:
+        logits = logits / temperature
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return logp[np.arange(len(tokens_N)), np.asarray(tokens_N)].astype(np.float32)
 
 
 def qwen3_torch_model(vocab_size: int, tie: bool, seed: int = 0):

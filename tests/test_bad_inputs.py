@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from gyre.elastic.workload import Call, Execution, read_trace, to_json, write_trace
-from gyre.model.hf import CheckpointError, _read_safetensors, read_tensors
+from gyre.model.safetensors_io import CheckpointError, read_file, read_folder
 
 # ---------------------------------------------------------------- trace lines
 
@@ -132,7 +132,7 @@ def header_of(data: bytes) -> dict:
 
 def test_good_checkpoint_reads(tmp_path):
     checkpoint(tmp_path)
-    got = read_tensors(str(tmp_path))
+    got = read_folder(str(tmp_path))
     assert got["w"].tolist() == [[0, 1, 2], [3, 4, 5]] and got["b"].dtype == ml_dtypes.bfloat16
 
 
@@ -172,7 +172,7 @@ def test_bad_checkpoint_is_one_error_naming_the_file(tmp_path, fn, message):
     with open(path, "wb") as f:
         f.write(fn(data))
     with pytest.raises(CheckpointError) as err:
-        read_tensors(str(tmp_path))
+        read_folder(str(tmp_path))
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
     assert isinstance(err.value, ValueError)
 
@@ -182,7 +182,7 @@ def test_bad_index_names_the_index(tmp_path, text):
     checkpoint(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a safetensors"):
-        read_tensors(str(tmp_path))
+        read_folder(str(tmp_path))
 
 
 @settings(max_examples=40, deadline=None)
@@ -201,6 +201,6 @@ def test_any_truncation_or_header_byte_is_read_or_refused_cleanly(cut, pos, byte
             with open(path, "wb") as f:
                 f.write(blob)
             try:
-                _read_safetensors(path)
+                read_file(path)
             except CheckpointError as err:
                 assert str(err).startswith(path)

@@ -317,9 +317,11 @@ def test_bad_setup_is_reported(tok):
 def test_from_checkpoint_uses_the_models_vocabulary(tok):
     from types import SimpleNamespace
 
+    from gyre.model.hf_dir import Checkpoint, TokenizerFiles
+
     ids = (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
-    ckpt = SimpleNamespace(tokenizer=tok, chat_template=QWEN3_CHAT_TEMPLATE, stop_ids=ids,
-                           spec=SimpleNamespace(vocab_size=1536))  # fmt: skip
+    text = TokenizerFiles(tok, QWEN3_CHAT_TEMPLATE, "here", ids, ids[1])
+    ckpt = Checkpoint("ckpt", SimpleNamespace(vocab_size=1536), text)
     chat = ChatFormat.from_checkpoint(ckpt, enable_thinking=False)
     assert chat.vocab_size == 1536 and chat.stop_ids == ids and not chat.enable_thinking
     # ids the model has but the tokenizer lacks decode to nothing (the harness bounds them)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import token_logprobs
 from rollout_world import CELLS, GRAPHDEF, SPEC, STATE
 
 from gyre import mesh as gmesh
@@ -44,7 +45,7 @@ def reference_logprobs(request, tokens, state=STATE):
     padded[0, :t] = full  # causal: the padding after t changes nothing before it
     logits = np.asarray(full_forward_logits(state, padded))[0]
     p = request.prompt.size
-    return sampler.reference_logprobs(logits[p - 1 : t - 1], tokens, request.temperature)
+    return token_logprobs(logits[p - 1 : t - 1], tokens, request.temperature)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])

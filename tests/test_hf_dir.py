@@ -1,43 +1,29 @@
-"""A local HF Qwen3 directory as a model (issue 18, part 1): read, check, load, save.
+"""A local HF Qwen3 directory as a model: read, check, load and save, without torch.
 
-The directory comes from a random-init transformers Qwen3ForCausalLM plus a tokenizer trained
-here with `tokenizers`; transformers is the reference for logits, tokenisation and the chat
-template's rendering.
+The directory is a tiny Qwen3 written here (gyre/model/tiny_checkpoint.py: random weights, a
+locally trained tokenizer, sharded); tests/test_hf.py checks the same paths against
+transformers.
 """
 
 import dataclasses
 import json
 import os
 import shutil
-import unicodedata
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from oracles import qwen3_torch_model  # noqa: E402
-
-from gyre.config import default_config  # noqa: E402
-from gyre.model import ModelSpec, apply, apply_logits  # noqa: E402
-from gyre.model import tiny_checkpoint as tc  # noqa: E402
-from gyre.model.hf import CheckpointError  # noqa: E402
-from gyre.model.hf_dir import (  # noqa: E402
-    load_weights,
-    read_checkpoint,
-    render_chat,
-    save_checkpoint,
-)
-from gyre.rl.builder import build_specs  # noqa: E402
+from gyre.chat.format import ChatFormat
+from gyre.config import default_config
+from gyre.model import ModelSpec, hf, hf_dir
+from gyre.model import tiny_checkpoint as tc
+from gyre.model.hf_dir import CheckpointError
+from gyre.rl.builder import build_specs
 
 TOK_VOCAB, MODEL_VOCAB = 512, 544  # the model's vocabulary is larger, as Qwen3's is
-T = 24
 
 
 def base_spec() -> ModelSpec:
@@ -45,257 +31,104 @@ def base_spec() -> ModelSpec:
     return dataclasses.replace(build_specs(default_config()).model, attention="dense")
 
 
-def torch_model(seed: int = 0):
-    return qwen3_torch_model(MODEL_VOCAB, tie=False, seed=seed)
-
-
-def torch_logits(model, tokens_BxT):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens_BxT))).logits.numpy()
-
-
-def gyre_logits(graphdef, state, tokens_BxT):
-    b, t = tokens_BxT.shape
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    hidden = apply(graphdef, state, jnp.asarray(tokens_BxT), pos, jnp.full((b, t), t))
-    return np.asarray(apply_logits(graphdef, state, hidden))
+def tiny_spec(**overrides) -> ModelSpec:
+    """The architecture of tests/oracles.py's transformers model."""
+    arch = dict(vocab_size=MODEL_VOCAB, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=16, d_ff=128, rope_theta=5000.0, rms_eps=1e-5, tie_embeddings=False)  # fmt: skip
+    return dataclasses.replace(base_spec(), **{**arch, **overrides})
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return tc.train_tokenizer(TOK_VOCAB)
+def source(tmp_path_factory) -> str:
+    """A tiny Qwen3 directory in shards of at most 100 kB, with an index."""
+    folder = str(tmp_path_factory.mktemp("qwen3") / "tiny")
+    return tc.write_tiny_qwen3(folder, tiny_spec(), vocab_size=TOK_VOCAB, max_shard_bytes=100_000)
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory, tokenizer):
-    """(folder, torch model): transformers' sharded save plus our tokenizer files."""
-    folder = tmp_path_factory.mktemp("qwen3")
-    model = torch_model()
-    model.save_pretrained(folder, max_shard_size="100KB")
-    tc.write_tokenizer_files(str(folder), tokenizer)
-    return str(folder), model
+def copy_of(source: str, tmp_path) -> str:
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(source, folder)
+    return folder
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(source):
-    return transformers.AutoTokenizer.from_pretrained(source[0])
-
-
-def chat_tokens(ckpt, batch: int = 2) -> np.ndarray:
-    """[batch, T] ids: a rendered conversation's tokens, then ids the tokenizer never emits
-    (the model's vocabulary is larger)."""
-    text = render_chat(ckpt.chat_template, CONVERSATIONS[1][0], CONVERSATIONS[1][1])
-    ids = ckpt.tokenizer.encode(text).ids[: T - 4]
-    rng = np.random.default_rng(0)
-    rows = [ids + list(rng.integers(TOK_VOCAB, MODEL_VOCAB, T - len(ids))) for _ in range(batch)]
-    rows[1] = list(rng.integers(0, MODEL_VOCAB, T))
-    return np.array(rows)
-
-
-def test_read_checkpoint_and_load_weights_match_transformers(source):
-    folder, model = source
-    ckpt = read_checkpoint(folder, base_spec())
-    spec = ckpt.spec
-    assert (spec.vocab_size, spec.d_model, spec.num_layers, spec.d_ff) == (MODEL_VOCAB, 64, 2, 128)
-    assert (spec.rope_theta, spec.rms_eps, spec.tie_embeddings) == (5000.0, 1e-5, False)
-    assert spec.attention == "dense"  # non-architecture fields come from the base
-    assert ckpt.tokenizer_vocab == TOK_VOCAB
-    im_end, eot = (ckpt.tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
-    assert ckpt.stop_ids == (im_end, eot) and ckpt.pad_id == eot
-    assert ckpt.chat_template == tc.QWEN3_CHAT_TEMPLATE
-    assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))  # sharded
-
-    graphdef, state = load_weights(ckpt)
-    tokens = chat_tokens(ckpt)
-    np.testing.assert_allclose(
-        gyre_logits(graphdef, state, tokens), torch_logits(model, tokens), atol=1e-4, rtol=1e-4
+def test_read_gives_the_architecture_and_the_tokenizer_side(source):
+    ckpt = hf_dir.read(source, base_spec())
+    assert ckpt.spec == tiny_spec()  # non-architecture fields (attention, dtype) from the base
+    text = ckpt.text
+    assert text.num_tokens == TOK_VOCAB
+    im_end, eot = (text.tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert text.stop_ids == (im_end, eot) and text.pad_id == eot
+    assert text.chat_template == tc.QWEN3_CHAT_TEMPLATE
+    assert text.template_source == os.path.join(source, "tokenizer_config.json") + (
+        " field chat_template"
     )
+    assert os.path.exists(os.path.join(source, "model.safetensors.index.json"))  # sharded
 
 
-def test_save_checkpoint_sharded_opens_in_transformers(source, tmp_path):
-    folder, model = source
-    ckpt = read_checkpoint(folder, base_spec())
-    graphdef, state = load_weights(ckpt)
+def test_load_gives_exactly_what_was_written(tmp_path):
+    spec = tiny_spec(d_model=32, num_heads=4, head_dim=8, d_ff=64, tie_embeddings=True)
+    folder = tc.write_tiny_qwen3(str(tmp_path / "tiny"), spec, seed=3, vocab_size=TOK_VOCAB,
+                                 max_shard_bytes=20_000)  # fmt: skip
+    got_spec, params, text = hf_dir.load(folder, base_spec())
+    assert got_spec == spec and text.num_tokens == TOK_VOCAB
+    assert text.tokenizer.to_str() == tc.train_tokenizer(TOK_VOCAB).to_str()
+    want = tc.random_params(spec, seed=3)  # exactly what was written, at the decoder's scales
+    jax.tree.map(np.testing.assert_array_equal, want, nnx.to_pure_dict(jax.device_get(params)))
+    assert np.std(want["layers"]["down"]) == pytest.approx(64**-0.5, rel=0.1)
+    assert not np.array_equal(want["embed"], tc.random_params(spec, seed=4)["embed"])
+
+
+def test_save_round_trips_and_replaces_an_earlier_save(source, tmp_path):
+    ckpt = hf_dir.read(source, base_spec())
+    params = hf_dir.load_params(ckpt)
     out = tmp_path / "trained"
-    save_checkpoint(out, graphdef, state, ckpt.spec, ckpt, max_shard_bytes=60_000)
+    hf_dir.save(out, params, ckpt.spec, ckpt, max_shard_bytes=60_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3 and all((out / s).exists() for s in shards)
     assert not (out / "model.safetensors").exists()
 
-    back = transformers.Qwen3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    tokens = chat_tokens(ckpt)
-    np.testing.assert_allclose(
-        torch_logits(back, tokens), torch_logits(model, tokens), atol=1e-5, rtol=1e-5
-    )
-    assert list(back.generation_config.eos_token_id) == list(ckpt.stop_ids)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert hf_tok.eos_token == "<|im_end|>" and hf_tok.chat_template == ckpt.chat_template
-
-    again = read_checkpoint(out, base_spec())
-    assert again.spec == ckpt.spec and again.stop_ids == ckpt.stop_ids
-    assert again.tokenizer.to_str() == ckpt.tokenizer.to_str()
-    _, state2 = load_weights(again)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), jax.device_get(state2))
+    again = hf_dir.read(out, base_spec())
+    assert again.spec == ckpt.spec and again.text.stop_ids == ckpt.text.stop_ids
+    assert again.text.tokenizer.to_str() == ckpt.text.tokenizer.to_str()
+    assert again.text.chat_template == ckpt.text.chat_template
+    params2 = hf_dir.load_params(again)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(params2))
 
     # Saved over itself as one bfloat16 file: the old shards and index go, values round once.
-    save_checkpoint(out, graphdef, state, again.spec, again, dtype="bfloat16")
+    hf_dir.save(out, params, again.spec, again, dtype="bfloat16")
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
-    _, state3 = load_weights(read_checkpoint(out, base_spec()))
-    rounded = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16).astype(np.float32), state)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(rounded), jax.device_get(state3))
+    params3 = hf_dir.load_params(hf_dir.read(out, base_spec()))
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16).astype(np.float32), params)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(rounded), jax.device_get(params3))
     assert not list(tmp_path.glob("trained.*"))  # no temporary folders left beside it
 
 
-TEXTS = [
-    "Hello, world! It's 2024; the answer is 42.",
-    "def f(x):\n    return x ** 2  # square\n\n\nprint(f(3))",
-    '{"name": "run_tests", "arguments": {"path": "tests/"}}',
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nok<|im_end|>",
-    "<tool_call>\n{}\n</tool_call><tool_response>x</tool_response>",
-    "naïve café — 東京 😀\t\r\n  \u00a0trailing   ",
-    "<|im_start<|im_end|>>",
-    "",
-]
+def test_save_writes_the_tokenizer_side_when_its_source_is_gone(source, tmp_path):
+    gone = copy_of(source, tmp_path)
+    ckpt = hf_dir.read(gone, base_spec())
+    shutil.rmtree(gone)
+    out = hf_dir.save(tmp_path / "out", hf_dir.load_params(hf_dir.read(source, base_spec())),
+                      ckpt.spec, ckpt)  # fmt: skip
+    again = hf_dir.read(out, base_spec()).text
+    assert (again.chat_template, again.stop_ids, again.pad_id) == (
+        ckpt.text.chat_template, ckpt.text.stop_ids, ckpt.text.pad_id)  # fmt: skip
+    assert again.tokenizer.to_str() == ckpt.text.tokenizer.to_str()
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_transformers_tokenizer_encodes_like_ours(source, hf_tokenizer, text):
-    ckpt = read_checkpoint(source[0], base_spec())
-    ours = ckpt.tokenizer.encode(text).ids
-    assert hf_tokenizer(text)["input_ids"] == ours
-    assert ckpt.tokenizer.decode(ours, skip_special_tokens=False) == text
-    for marker in ("<|im_start|>", "<think>", "</tool_call>"):  # added tokens: one id each
-        if marker in text:
-            assert ckpt.tokenizer.token_to_id(marker) in ours
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    text=st.text(max_size=60) | st.binary(max_size=40).map(lambda b: b.decode("utf-8", "replace"))
-)
-def test_any_text_encodes_like_transformers_and_round_trips(tokenizer, hf_tokenizer, text):
-    ours = tokenizer.encode(text).ids
-    assert hf_tokenizer(text)["input_ids"] == ours
-    assert all(0 <= i < TOK_VOCAB for i in ours)
-    # byte-level: nothing is unknown; the normaliser is Qwen3's NFC
-    assert tokenizer.decode(ours, skip_special_tokens=False) == unicodedata.normalize("NFC", text)
-
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "write_file",
-            "description": "Write text to a file <in the sandbox> & overwrite it.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                "required": ["path", "content"],
-            },
-        },
-    },
-    {"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object"}}},
-]
-CONVERSATIONS = [
-    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}], None),
-    (
-        [
-            {"role": "system", "content": "Fix the bug."},
-            {"role": "user", "content": "The tests fail. Ünïcode: 東京"},
-            {
-                "role": "assistant",
-                "content": "<think>\nI should look.\n</think>\n\nWriting the fix.",
-                "tool_calls": [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": "write_file",
-                            "arguments": {"path": "a.py", "content": "x = 1\n"},
-                        },
-                    },
-                    {"type": "function", "function": {"name": "run_tests", "arguments": "{}"}},
-                ],
-            },
-            {"role": "tool", "content": "wrote 6 bytes"},
-            {"role": "tool", "content": "1 passed"},
-            {"role": "assistant", "content": "<think>done</think>All tests pass."},
-        ],
-        TOOLS,
-    ),
-    (
-        [
-            {"role": "user", "content": "first"},
-            {"role": "assistant", "content": "<think>\nold reasoning\n</think>\n\nreply one"},
-            {"role": "user", "content": "second"},
-        ],
-        None,
-    ),
-]
-
-
-@pytest.mark.parametrize("case", range(len(CONVERSATIONS)))
-@pytest.mark.parametrize("thinking", [True, False])
-def test_chat_template_renders_like_transformers(source, hf_tokenizer, case, thinking):
-    ckpt = read_checkpoint(source[0], base_spec())
-    messages, tools = CONVERSATIONS[case]
-    kwargs = dict(tools=tools, add_generation_prompt=True, enable_thinking=thinking)
-    want = hf_tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    got = render_chat(ckpt.chat_template, messages, **kwargs)
-    assert got == want
-    ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
-    ids = ids["input_ids"] if not isinstance(ids, list) else ids
-    assert list(ids) == ckpt.tokenizer.encode(got).ids
-    assert got.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
-    if case == 1:  # Qwen3's own format: tools in the system turn, calls as JSON, results as user
-        assert got.startswith("<|im_start|>system\nFix the bug.\n\n# Tools\n")
-        assert '"description": "Write text to a file <in the sandbox> & overwrite it."' in got
-        assert (
-            'Writing the fix.\n<tool_call>\n{"name": "write_file", "arguments": '
-            '{"path": "a.py", "content": "x = 1\\n"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call><|im_end|>\n'
-        ) in got
-        assert (
-            "<|im_start|>user\n<tool_response>\nwrote 6 bytes\n</tool_response>\n"
-            "<tool_response>\n1 passed\n</tool_response><|im_end|>\n"
-        ) in got
-        # reasoning after the last user query is kept, re-wrapped in Qwen3's layout
-        assert "<|im_start|>assistant\n<think>\nI should look.\n</think>\n\nWriting" in got
-        assert "<think>\ndone\n</think>\n\nAll tests pass.<|im_end|>" in got
-    if case == 2:  # reasoning of turns before the last user query is dropped
-        assert "old reasoning" not in got and "<|im_start|>assistant\nreply one<|im_end|>" in got
-
-
-def test_write_tiny_qwen3_loads_in_gyre_and_transformers(tmp_path):
-    spec = dataclasses.replace(
-        base_spec(), vocab_size=MODEL_VOCAB, d_model=32, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, d_ff=64, tie_embeddings=True, rope_theta=1e4,
-    )  # fmt: skip
-    folder = tc.write_tiny_qwen3(str(tmp_path / "tiny"), spec, seed=3, vocab_size=TOK_VOCAB,
-                                 max_shard_bytes=20_000)  # fmt: skip
-    ckpt = read_checkpoint(folder, base_spec())
-    assert ckpt.spec == spec and ckpt.tokenizer_vocab == TOK_VOCAB
-    assert ckpt.tokenizer.to_str() == tc.train_tokenizer(TOK_VOCAB).to_str()
-    graphdef, state = load_weights(ckpt)
-    want = tc.random_params(spec, seed=3)  # exactly what was written, at the decoder's scales
-    jax.tree.map(np.testing.assert_array_equal, want, nnx.to_pure_dict(jax.device_get(state)))
-    assert np.std(want["layers"]["down"]) == pytest.approx(64**-0.5, rel=0.1)
-    assert not np.array_equal(want["embed"], tc.random_params(spec, seed=4)["embed"])
-
-    model = transformers.Qwen3ForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    tokens = chat_tokens(ckpt)
-    np.testing.assert_allclose(
-        gyre_logits(graphdef, state, tokens),
-        torch_logits(model.eval(), tokens),
-        atol=1e-4,
-        rtol=1e-4,
-    )
-    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
-    text = render_chat(ckpt.chat_template, *CONVERSATIONS[1], add_generation_prompt=True)
-    assert hf_tok(text)["input_ids"] == ckpt.tokenizer.encode(text).ids
-    assert hf_tok.pad_token == "<|endoftext|>" and hf_tok.eos_token_id == ckpt.stop_ids[0]
-    decoded = hf_tok.decode(ckpt.tokenizer.encode(text).ids, skip_special_tokens=True)
-    assert "<|im_start|>" not in decoded and "<tool_call>" in decoded  # Qwen3's special flags
+def test_a_directory_without_tokenizer_holds_weights_only(source, tmp_path):
+    ckpt = hf_dir.read(source, base_spec())
+    params = hf_dir.load_params(ckpt)
+    out = hf_dir.save(tmp_path / "export", params, ckpt.spec)  # no source: weights only
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    spec, params2, text = hf_dir.load(out, base_spec())
+    assert spec == ckpt.spec and text is None
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(params2))
+    # its saves stay weights only; a chat format needs the tokenizer side
+    hf_dir.save(out, params2, spec, hf_dir.read(out, base_spec()))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        ChatFormat.from_checkpoint(hf_dir.read(out, base_spec()))
 
 
 def test_train_tokenizer_is_deterministic_and_byte_complete():
@@ -347,7 +180,6 @@ def _drop_shard(folder):
 
 BAD = {
     "no config": (_remove("config.json"), r"config\.json: missing"),
-    "no tokenizer": (_remove("tokenizer.json"), r"tokenizer\.json: missing"),
     "no tokenizer_config": (_remove("tokenizer_config.json"), r"tokenizer_config\.json: missing"),
     "no generation_config": (_remove("generation_config.json"), r"generation_config\.json: missing"),
     "missing shard": (_drop_shard, r"index\.json: weight_map names 'model-0000\d-of-0000\d\.safetensors', which does not exist"),
@@ -367,7 +199,7 @@ BAD = {
     "malformed config": (_write("config.json", '{"vocab_size": 544,'), r"config\.json: not valid JSON"),
     "malformed tokenizer_config": (_write("tokenizer_config.json", "{'a': 1}"), r"tokenizer_config\.json: not valid JSON"),
     "malformed generation_config": (_write("generation_config.json", "[1, 2]"), r"generation_config\.json: expected a JSON object"),
-    "malformed index": (_write("model.safetensors.index.json", "{"), r"index\.json: not valid JSON"),
+    "malformed index": (_write("model.safetensors.index.json", "{"), r"index\.json: not a safetensors index \(not valid JSON"),
     "malformed tokenizer": (_write("tokenizer.json", '{"model": 3}'), r"tokenizer\.json: not a tokenizers file"),
     "string hidden_size": (
         _edit_json("config.json", lambda c: c.update(hidden_size="64")),
@@ -385,10 +217,6 @@ BAD = {
         _edit_json("tokenizer_config.json", lambda c: c.pop("chat_template")),
         r"tokenizer_config\.json: no chat_template field",
     ),
-    "broken chat template": (
-        _edit_json("tokenizer_config.json", lambda c: c.update(chat_template="{% if x %}")),
-        r"tokenizer_config\.json field chat_template: chat template: syntax error at line 1",
-    ),
     "named templates without default": (
         _edit_json("tokenizer_config.json", lambda c: c.update(chat_template=[{"name": "tool_use", "template": "x"}])),
         r"tokenizer_config\.json: chat_template list has no 'default' entry",
@@ -402,23 +230,43 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_directory_is_one_line_naming_file_and_field(source, tmp_path, case):
-    folder = str(tmp_path / "ckpt")
-    shutil.copytree(source[0], folder)
+    folder = copy_of(source, tmp_path)
     breakage, message = BAD[case]
     breakage(folder)
     with pytest.raises(CheckpointError, match=message) as err:
-        read_checkpoint(folder, base_spec())
+        hf_dir.read(folder, base_spec())
     assert "\n" not in str(err.value)
+
+
+def test_broken_chat_template_names_where_it_was_read(source, tmp_path):
+    """The template is text to the model package; the chat format compiles it."""
+    folder = copy_of(source, tmp_path)
+    _edit_json("tokenizer_config.json", lambda c: c.update(chat_template="{% if x %}"))(folder)
+    ckpt = hf_dir.read(folder, base_spec())
+    with pytest.raises(ValueError) as err:
+        ChatFormat.from_checkpoint(ckpt)
+    message = r"tokenizer_config\.json field chat_template: chat template: syntax error at line 1"
+    assert err.match(message) and "\n" not in str(err.value)
+    _write("chat_template.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")(folder)
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: chat template ends"):
+        ChatFormat.from_checkpoint(hf_dir.read(folder, base_spec()))
 
 
 def test_named_chat_templates_and_template_file(source, tmp_path):
     """HF's list-of-named-templates form gives "default"; a chat_template.jinja wins."""
-    folder = str(tmp_path / "ckpt")
-    shutil.copytree(source[0], folder)
+    folder = copy_of(source, tmp_path)
     named = [{"name": "rag", "template": "R"}, {"name": "default", "template": "D{{ 1 }}"}]
     _edit_json("tokenizer_config.json", lambda c: c.update(chat_template=named))(folder)
-    assert read_checkpoint(folder, base_spec()).chat_template == "D{{ 1 }}"
+    assert hf_dir.read(folder, base_spec()).text.chat_template == "D{{ 1 }}"
     _write("chat_template.jinja", "J")(folder)
-    assert read_checkpoint(folder, base_spec()).chat_template == "J"
+    text = hf_dir.read(folder, base_spec()).text
+    assert (text.chat_template, text.template_source) == ("J", f"{folder}/chat_template.jinja")
     with pytest.raises(CheckpointError, match="not a directory"):
-        read_checkpoint(os.path.join(folder, "config.json"), base_spec())
+        hf_dir.read(os.path.join(folder, "config.json"), base_spec())
+
+
+def test_unsupported_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="attention_bias"):
+        hf.config_from_hf(dict(model_type="qwen3", attention_bias=True), base_spec())
+    with pytest.raises(ValueError, match="model_type"):
+        hf.config_from_hf({"model_type": "llama"}, base_spec())

@@ -12,14 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from gyre.config import default_config
 from gyre.mesh import make_cells, tree_shardings
-from gyre.model import (
-    Decoder,
-    ModelSpec,
-    apply,
-    apply_cached,
-    init_sharded,
-    param_logical_axes,
-)
+from gyre.model import Decoder, ModelSpec, apply, decoder, init_sharded, param_logical_axes
 from gyre.rl.builder import build_specs
 
 T = 16
@@ -154,6 +147,13 @@ def test_dense_and_block_sparse_agree_on_trees():
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B):
+    """The rollout forward (serving weights, slot cache) of a split model, for plain jax.jit."""
+    model = nnx.merge(graphdef, state)
+    weights = model.serving_weights()
+    return decoder.forward_serving(model.spec, weights, tokens_BxT, pos_BxT, cache, slot_B, start_B)
 
 
 def test_kv_cache_prefill_chunks_then_decode_matches_full_forward():

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from benchmarks import vs_tunix
 from gyre import mesh as gmesh
 from gyre.model import decoder as gdec
-from gyre.model import hf as ghf
+from gyre.model import hf_dir
 from gyre.rl.builder import build_specs
 
 PROMPT, NEW = 8, 6
@@ -43,7 +43,8 @@ def shard_flag():
 
 def greedy_reference(folder, cfg, prompts_BxP, new):
     """Greedy tokens by the full forward of the padded row (no KV cache), one row at a time."""
-    graphdef, state, _ = ghf.load_hf(folder, build_specs(cfg).model)
+    spec, state, _ = hf_dir.load(folder, build_specs(cfg).model)
+    graphdef = gdec.abstract_model(spec)[0]
     t = prompts_BxP.shape[1] + new
 
     @jax.jit
@@ -93,7 +94,7 @@ def test_weights_and_shardings_agree_whatever_the_flax_flag(setup, shard_flag):
     eager_sharding metadata, so trees made under either value have one structure."""
     folder, cfg, cell = setup
     shard_flag(True)
-    _, state, spec = ghf.load_hf(folder, build_specs(cfg).model)
+    spec, state, _ = hf_dir.load(folder, build_specs(cfg).model)
     shard_flag(False)
     target = vs_tunix.gdec.state_shardings(spec, cell, "rollout")
     assert jax.tree.structure(state) == jax.tree.structure(target)

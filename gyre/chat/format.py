@@ -148,9 +148,18 @@ class ChatFormat:
     @classmethod
     def from_checkpoint(cls, ckpt, **kw) -> ChatFormat:
         """The chat format of a checkpoint (``gyre.model.hf_dir.Checkpoint``): its tokenizer,
-        chat template and stop ids, with the model's vocabulary; ``kw`` as the constructor."""
+        chat template and stop ids, with the model's vocabulary; ``kw`` as the constructor.
+
+        A template that does not compile, or does not end a turn with a stop token, is a
+        one-line ValueError naming the file it came from."""
+        text = ckpt.text
+        if text is None:
+            raise ValueError(f"{ckpt.path}: no tokenizer.json, so no tokenizer or chat template")
         kw.setdefault("vocab_size", ckpt.spec.vocab_size)
-        return cls(ckpt.tokenizer, ckpt.chat_template, ckpt.stop_ids, **kw)
+        try:
+            return cls(text.tokenizer, text.chat_template, text.stop_ids, **kw)
+        except ValueError as e:  # the tokenizer side was checked when read: it is the template
+            raise ValueError(f"{text.template_source}: {e}") from e
 
     # ---- text ----------------------------------------------------------------------------
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,

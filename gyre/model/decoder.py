@@ -208,9 +208,7 @@ class Decoder(nnx.Module):
         inside a loop over layers is copied out layer by layer, every step)."""
         spec = self.spec
         shapes = cache_shapes(num_slots, spec.num_kv_heads, max_len, spec.head_dim)
-        return {
-            k: tuple(jnp.zeros(shapes[k], dtype) for _ in range(spec.num_layers)) for k in "kv"
-        }
+        return {k: tuple(jnp.zeros(shapes[k], dtype) for _ in range(spec.num_layers)) for k in "kv"}
 
     def unstack_layers(self) -> list[dict]:
         """The stacked layer parameters as one dict of arrays per layer (a copy)."""
@@ -225,11 +223,6 @@ class Decoder(nnx.Module):
         if layers:
             w["layers"] = tuple(self.unstack_layers())
         return w
-
-    def forward_cached(self, tokens_BxT, pos_BxT, cache, slot_B, start_B):
-        """:func:`forward_serving` with this model's weights."""
-        weights = self.serving_weights()
-        return forward_serving(self.spec, weights, tokens_BxT, pos_BxT, cache, slot_B, start_B)
 
 
 def serving_logical_axes(spec: ModelSpec) -> dict:
@@ -250,8 +243,9 @@ def serving_logits(spec: ModelSpec, weights: dict, hidden_BxNxD):
                       preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def forward_serving(spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, slot_B, start_B,
-                    kv_block: int = 0):
+def forward_serving(
+    spec: ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, slot_B, start_B, kv_block: int = 0
+):
     """Causal forward of T new tokens per row against slot ``slot_B[b]`` of the cache.
 
     ``weights``: :func:`serving_weights` (one dict of arrays per layer, made once per weight
@@ -357,12 +351,6 @@ def apply(graphdef, state, tokens_BxT, pos_BxT, leave_BxT, remat: bool = False):
 def apply_logits(graphdef, state, hidden_BxNxD):
     """Pure head: hidden [B,N,D] -> float32 logits [B,N,V]."""
     return nnx.merge(graphdef, state).logits(hidden_BxNxD)
-
-
-def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B):
-    """Pure Decoder.forward_cached for plain jax.jit (donate ``cache`` for in-place writes)."""
-    model = nnx.merge(graphdef, state)
-    return model.forward_cached(tokens_BxT, pos_BxT, cache, slot_B, start_B)
 
 
 def serving_weights(graphdef, state) -> dict:

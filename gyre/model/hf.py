@@ -1,5 +1,6 @@
-"""HF Qwen3 checkpoints (config.json + safetensors) <-> Gyre decoder state. Never networked.
+"""HF Qwen3 names and layouts <-> Gyre's: config.json keys, tensor names and shapes.
 
+Pure conversions; the files are read and written by :mod:`gyre.model.hf_dir`.
 HF linear weights are [out, in]; Gyre kernels are [in, ...] with heads split out
 (q: [D, H, Dh], o: [H, Dh, D]) and layers stacked on a leading axis.
 """
@@ -7,16 +8,8 @@ HF linear weights are [out, in]; Gyre kernels are [in, ...] with heads split out
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
-import os
 
-import jax
-import ml_dtypes
 import numpy as np
-from flax import nnx
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from gyre.model import decoder
 
@@ -110,70 +103,31 @@ def config_to_hf(spec: decoder.ModelSpec) -> dict:
     return out
 
 
-class CheckpointError(ValueError):
-    """An unreadable checkpoint file; the message names the file and what is wrong."""
-
-
-_MAX_HEADER = 100_000_000  # bytes; safetensors itself refuses larger headers
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one file as numpy; bfloat16 (absent from numpy) read via ml_dtypes.
-
-    Every malformed file (truncated, bad header, offsets past the end) is a CheckpointError.
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        # Bound the length before reading it: a garbage length would allocate up to 2^64 bytes.
-        if size < 8 or header_len > min(size - 8, _MAX_HEADER):
-            raise CheckpointError(
-                f"{path}: header length {header_len} does not fit the file's {size} bytes "
-                "(truncated, or not a safetensors file)"
-            )
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        out = {}
-        # safe_open checks every entry (BF16 too): dtype, shape and offsets within the file.
-        with safe_open(path, framework="np") as f:
-            for name in f.keys():
-                if header[name]["dtype"] != "BF16":
-                    out[name] = f.get_tensor(name)
-        bf16 = [n for n, h in header.items() if n != "__metadata__" and h["dtype"] == "BF16"]
-        if bf16:
-            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-            for name in bf16:
-                start, end = header[name]["data_offsets"]
-                flat = np.asarray(data[start:end]).view(ml_dtypes.bfloat16)
-                out[name] = flat.reshape(header[name]["shape"])
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: header is not UTF-8 ({e.reason} at byte {e.start})") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: header is not JSON ({e})") from e
-    except (SafetensorError, ValueError, KeyError, TypeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from e
+def expected_shapes(spec: decoder.ModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ([out, in] for linear weights) that ``spec`` implies."""
+    v, d, h, kvh, dh, f = (
+        spec.vocab_size, spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.d_ff
+    )  # fmt: skip
+    per_layer = {
+        "attn_norm": (d,),
+        "q": (h * dh, d),
+        "k": (kvh * dh, d),
+        "v": (kvh * dh, d),
+        "o": (d, h * dh),
+        "q_norm": (dh,),
+        "k_norm": (dh,),
+        "mlp_norm": (d,),
+        "gate": (f, d),
+        "up": (f, d),
+        "down": (d, f),
+    }
+    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    for i in range(spec.num_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            out[f"model.layers.{i}.{theirs}"] = per_layer[ours]
+    if not spec.tie_embeddings:
+        out["lm_head.weight"] = (v, d)
     return out
-
-
-def read_tensors(folder: str) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint folder (single file or sharded with an index)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON, UTF-8, layout
-            raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from e
-        paths = [os.path.join(folder, name) for name in files]
-    else:
-        paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not paths:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    tensors = {}
-    for path in paths:
-        tensors.update(_read_safetensors(path))
-    return tensors
 
 
 def hf_to_pure(tensors: dict[str, np.ndarray], spec) -> dict:
@@ -229,36 +183,3 @@ def pure_to_hf(pure: dict, spec) -> dict[str, np.ndarray]:
     if not spec.tie_embeddings:
         out["lm_head.weight"] = pure["lm_head"].T
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
-
-
-def load_hf(folder: str, base: decoder.ModelSpec, cell=None, role: str = "train"):
-    """HF Qwen3 folder -> (graphdef, state, spec); state placed on ``cell`` if given.
-
-    Architecture fields of ``base`` are replaced by the checkpoint's; the others (dtype,
-    attention, attn_block) are kept.
-    """
-    with open(os.path.join(folder, "config.json")) as f:
-        spec = config_from_hf(json.load(f), base)
-    graphdef, abstract = decoder.abstract_model(spec)
-    pure = hf_to_pure(read_tensors(folder), spec)
-    want = jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(abstract))
-    got = jax.tree.map(lambda x: x.shape, pure)
-    if want != got:
-        raise ValueError(f"checkpoint shapes {got} do not match the config's {want}")
-    state = abstract  # replaced leaf by leaf below
-    nnx.replace_by_pure_dict(state, pure)
-    if cell is not None:
-        state = jax.device_put(state, decoder.state_shardings(spec, cell, role))
-    else:
-        state = jax.device_put(state)
-    return graphdef, state, spec
-
-
-def save_hf(folder: str, graphdef, state, spec: decoder.ModelSpec) -> None:
-    """Writes config.json + model.safetensors (float32) that transformers can load."""
-    del graphdef  # the layout is fixed by the spec
-    os.makedirs(folder, exist_ok=True)
-    pure = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), nnx.to_pure_dict(state))
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config_to_hf(spec), f, indent=2)
-    save_file(pure_to_hf(pure, spec), os.path.join(folder, "model.safetensors"), {"format": "pt"})

@@ -34,7 +34,8 @@ from tokenizers import (
     trainers,
 )
 
-from gyre.model import decoder, hf, hf_dir
+from gyre.model import decoder, hf
+from gyre.model.safetensors_io import write_folder, write_json
 
 # Qwen3's added tokens in its id order (151643..151668), with its `special` flag: the tool and
 # think markers are added (never split) but not special, so decoding with
@@ -315,8 +316,8 @@ def write_tiny_qwen3(
         eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
         rope_theta=float(spec.rope_theta),  # older transformers read this key
     )
-    hf_dir.write_json(os.path.join(path, "config.json"), config)
-    hf_dir.write_weights(path, hf.pure_to_hf(pure, spec), max_shard_bytes)
+    write_json(os.path.join(path, "config.json"), config)
+    write_folder(path, hf.pure_to_hf(pure, spec), max_shard_bytes)
     write_tokenizer_files(path, tokenizer)
     return path
 
@@ -328,8 +329,8 @@ def write_tokenizer_files(
     (one from :func:`train_tokenizer`) into the existing folder ``path``."""
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     config = tokenizer_config(tokenizer, chat_template)
-    hf_dir.write_json(os.path.join(path, "tokenizer_config.json"), config)
-    hf_dir.write_json(os.path.join(path, "generation_config.json"), generation_config(tokenizer))
+    write_json(os.path.join(path, "tokenizer_config.json"), config)
+    write_json(os.path.join(path, "generation_config.json"), generation_config(tokenizer))
 
 
 def tiny_qwen3_path(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:

@@ -26,7 +26,8 @@ from gyre.elastic.policy import PolicyParams
 from gyre.envs.base import Environment
 from gyre.envs.registry import EnvSpec, is_chat, make_env
 from gyre.errors import ConfigError
-from gyre.model import decoder, hf
+from gyre.model import decoder, hf_dir
+from gyre.model.safetensors_io import CheckpointError
 from gyre.rl import evaluation
 from gyre.rl.specs import EvalSpec, RunSpec, SftRecipe, SftSpec, Specs
 from gyre.rollout.engine import Engine
@@ -90,21 +91,23 @@ def _checkpoint_model(path: str, model: decoder.ModelSpec, seed: int):
         from gyre.model.tiny_checkpoint import tiny_qwen3_path
 
         return tiny_qwen3_path(cache_path("tiny_qwen3"), model, seed), model, True
-    if path and _has_tokenizer(path):
-        return path, _read_checkpoint(path, model).spec, False
+    if path:
+        ckpt = _read_checkpoint(path, model)
+        if ckpt.text is not None:
+            return path, ckpt.spec, False
+        diff = [f"{f.name}: checkpoint {getattr(ckpt.spec, f.name)!r}, config "
+                f"{getattr(model, f.name)!r}" for f in dataclasses.fields(model)
+                if getattr(ckpt.spec, f.name) != getattr(model, f.name)]  # fmt: skip
+        if diff:
+            raise ConfigError(f"config key 'model.hf_dir' ({path}): the checkpoint's "
+                              f"architecture differs from the config's ({'; '.join(diff)})")  # fmt: skip
     return path, model, False
 
 
-def _has_tokenizer(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "tokenizer.json"))
-
-
 @functools.cache  # the specs check reads it, the runtime loads it: the files are read once
-def _read_checkpoint(path: str, base: decoder.ModelSpec):
-    from gyre.model.hf_dir import read_checkpoint
-
+def _read_checkpoint(path: str, base: decoder.ModelSpec) -> hf_dir.Checkpoint:
     try:
-        return read_checkpoint(path, base)
+        return hf_dir.read(path, base)
     except ValueError as e:  # CheckpointError names the file and the field
         raise ConfigError(f"config key 'model.hf_dir' ({path}): {e}") from e
 
@@ -290,29 +293,21 @@ def text_checkpoint(specs: Specs):
     """The run's Hugging Face checkpoint (gyre.model.hf_dir.Checkpoint) when ``model.hf_dir``
     is one with a tokenizer, else None (no checkpoint, or a ledger export). Read once."""
     prepare(specs)
-    if not specs.init_dir or not _has_tokenizer(specs.init_dir):
+    if not specs.init_dir:
         return None
-    return _read_checkpoint(specs.init_dir, specs.model)
+    ckpt = _read_checkpoint(specs.init_dir, specs.model)
+    return ckpt if ckpt.text is not None else None
 
 
 def load_initial(specs: Specs, cell):
-    """The weights of ``specs.init_dir`` on ``cell``; a directory without a tokenizer (a
-    ledger export) must have the config's architecture."""
-    ckpt = text_checkpoint(specs)
-    if ckpt is not None:
-        from gyre.model.hf_dir import load_weights
-
-        return load_weights(ckpt, cell, "train")[1]
+    """The weights of ``specs.init_dir`` on ``cell`` (its architecture was checked against
+    the config's when the specs were built)."""
+    prepare(specs)
+    ckpt = _read_checkpoint(specs.init_dir, specs.model)
     try:
-        _, params, spec = hf.load_hf(specs.init_dir, specs.model, cell, "train")
-    except (OSError, ValueError) as e:
+        return hf_dir.load_params(ckpt, cell, "train")
+    except CheckpointError as e:
         raise ConfigError(f"config key 'model.hf_dir' ({specs.init_dir}): {e}") from e
-    diff = [f"{f.name}: checkpoint {getattr(spec, f.name)!r}, config {getattr(specs.model, f.name)!r}"
-            for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(specs.model, f.name)]  # fmt: skip
-    if diff:
-        raise ConfigError(f"config key 'model.hf_dir' ({specs.init_dir}): the checkpoint's "
-                          f"architecture differs from the config's ({'; '.join(diff)})")  # fmt: skip
-    return params
 
 
 def environment(specs: Specs, with_model: bool = True):
@@ -342,8 +337,11 @@ def chat_format(specs: Specs):
             f"config key 'env.name' ({specs.env.name!r}) is a chat task: set model.hf_dir to a "
             "Qwen3 checkpoint directory with its tokenizer (or 'tiny' for a small local one)"
         )
-    return ChatFormat.from_checkpoint(ckpt, keep_thinking=specs.env.keep_thinking,
-                                      enable_thinking=specs.env.enable_thinking)  # fmt: skip
+    try:
+        return ChatFormat.from_checkpoint(ckpt, keep_thinking=specs.env.keep_thinking,
+                                          enable_thinking=specs.env.enable_thinking)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.hf_dir' ({specs.init_dir}): {e}") from e
 
 
 def initial_trainer(specs: Specs, cells, graphdef, ckpt: Checkpointer) -> tuple[Trainer, bool]:

@@ -20,7 +20,7 @@ from gyre.cache import cache_dir
 from gyre.envs.registry import is_chat, make_env
 from gyre.errors import AlreadyFinished, Stopped
 from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics, write_json
-from gyre.model.hf import save_hf
+from gyre.model import hf_dir
 from gyre.rl.builder import build_runtime, text_checkpoint
 from gyre.rl.controller import Controller
 from gyre.rl.progress import RoleTimeline, RunLedger
@@ -229,13 +229,7 @@ def export_checkpoint(rt, params) -> str:
     """Writes ``params`` to <workdir>/hf: a Hugging Face Qwen3 directory (with the starting
     checkpoint's tokenizer and chat template when it had them; it opens in transformers)."""
     specs, path = rt.specs, rt.path("hf")
-    source = text_checkpoint(specs)
-    if source is not None:
-        from gyre.model.hf_dir import save_checkpoint
-
-        save_checkpoint(path, rt.graphdef, params, specs.model, source)
-    else:
-        save_hf(path, rt.graphdef, params, specs.model)
+    hf_dir.save(path, params, specs.model, text_checkpoint(specs))
     return path
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def base_key(seed: int) -> jax.Array:
@@ -76,13 +75,3 @@ def sample(logits_BxV, keys_Bx2, temperature_B, top_p: float = 1.0):
         base_BxV = jnp.where(greedy_B[:, None], logits_BxV, scaled_BxV)
     chosen_B = jnp.take_along_axis(base_BxV, token_B[:, None], axis=-1)[:, 0]
     return token_B, chosen_B - jax.nn.logsumexp(base_BxV, axis=-1)
-
-
-def reference_logprobs(logits_NxV, tokens_N, temperature: float) -> np.ndarray:
-    """Host-side logprob of given tokens under the module's convention (top_p = 1)."""
-    logits = np.asarray(logits_NxV, np.float64)
-    if temperature > 0:
-        logits = logits / temperature
-    logits = logits - logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return logp[np.arange(len(tokens_N)), np.asarray(tokens_N)].astype(np.float32)
