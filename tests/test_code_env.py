@@ -4,10 +4,10 @@ import asyncio
 import dataclasses
 
 import pytest
+from doubles import CodeScriptPolicy
 
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
-from gyre.agent.scripted import CodeScriptPolicy
 from gyre.envs.base import Task
 from gyre.envs.code import PROBLEMS, CodeEnv
 from gyre.envs.sandbox import SandboxLimits, isolation_available

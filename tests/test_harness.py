@@ -5,17 +5,11 @@ import itertools
 
 import numpy as np
 import pytest
+from doubles import FlakyClient, RunawayPolicy
 
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
-from gyre.agent.scripted import (
-    FaultyEnv,
-    FlakyClient,
-    GarbagePolicy,
-    LedgerExpert,
-    RunawayPolicy,
-    WrongPolicy,
-)
+from gyre.agent.scripted import FaultyEnv, GarbagePolicy, LedgerExpert, WrongPolicy
 from gyre.envs import vocab as V
 from gyre.envs.base import Task
 from gyre.envs.ledger import LedgerEnv
