@@ -672,7 +672,7 @@ class Engine:
             slot.write(slot.length, fed.astype(np.int32))
             for t in range(n):
                 self._record(slot, int(tok_NxS[t, i]), float(lp_NxS[t, i]), done)
-        # Slot-steps of the loop in which a slot had finished and sat idle (see issue 17).
+        # Slot-steps of the loop in which a slot had finished and sat idle.
         self.stats["decode_slot_steps"] += steps * len(active)
         self.stats["decode_idle_slot_steps"] += steps * len(active) - produced
 
