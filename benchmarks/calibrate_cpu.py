@@ -128,7 +128,8 @@ def time_engine(engine, batches, prompts, new_tokens: int, repeats: int, seed: i
 
 def synthetic_microbatch(cfg, real_rows: int, seed: int):
     """A [rows_per_microbatch, row_len] micro-batch: ``real_rows`` causal rows, the rest padding."""
-    from gyre.train.step import Microbatch, _pad_row
+    from gyre.train.step import Microbatch
+    from gyre.trajectory import schema
 
     t, rows = cfg.trajectory.row_len, cfg.train.rows_per_microbatch
     rng = np.random.default_rng(seed)
@@ -143,7 +144,8 @@ def synthetic_microbatch(cfg, real_rows: int, seed: int):
             "versions": np.zeros(t, np.int32),
         }  # fmt: skip
         out.append(row)
-    out += [_pad_row(t)] * (rows - real_rows)
+    pad = {k: v[0] for k, v in schema.empty(1, t, schema.device_names()).items()}
+    out += [pad] * (rows - real_rows)
     arrays = {k: np.stack([r[k] for r in out]) for k in out[0]}
     return Microbatch(arrays, [])
 

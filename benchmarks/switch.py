@@ -47,8 +47,8 @@ from gyre.rl.builder import build_specs
 from gyre.rollout.engine import Engine
 from gyre.rollout.proxy import Proxy
 from gyre.rollout.types import GenerateRequest
-from gyre.train import loss as tloss
 from gyre.train.step import Trainer, split_microbatches
+from gyre.trajectory import schema
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
@@ -81,7 +81,7 @@ def config(args):
 
 
 def microbatch(rows: int, t: int, vocab: int, seed: int):
-    """One micro-batch of random causal rows (weights 1), [rows, t] per TRAIN_FIELDS."""
+    """One micro-batch of random causal rows (weights 1), [rows, t] per device field of gyre/trajectory/schema.py."""
     rng = np.random.default_rng(seed)
     idx = np.broadcast_to(np.arange(t, dtype=np.int32), (rows, t))
     batch = {
@@ -95,7 +95,7 @@ def microbatch(rows: int, t: int, vocab: int, seed: int):
         "w": np.ones((rows, t), np.float32),
         "versions": np.zeros((rows, t), np.int32),
     }
-    assert set(batch) == set(tloss.TRAIN_FIELDS)
+    assert set(batch) == set(schema.device_names())
     (mb,) = split_microbatches(batch, rows)
     return mb
 

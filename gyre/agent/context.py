@@ -19,7 +19,7 @@ class Ended(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class AgentSettings:
-    """Harness limits (frozen). The builder makes it from ``cfg.agent`` plus
+    """Harness limits (frozen). The builder makes it from the ``agent.*`` keys plus
     rollout.max_new_tokens and env.partial_scale."""
 
     max_calls: int = 64

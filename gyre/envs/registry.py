@@ -28,7 +28,7 @@ from gyre.envs.text import TextEnvironment
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
-    """Task settings (``cfg.env``), plus the harness's retry budget (``agent.max_retries``),
+    """Task settings (the ``env.*`` keys), plus the harness's retry budget (``agent.max_retries``),
     which the ledger task also uses as its budget of wrong commits."""
 
     name: str = "ledger"

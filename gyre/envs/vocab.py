@@ -1,6 +1,6 @@
 """Token vocabularies: a tiny fixed one for the ledger task and a byte-level one for code.
 
-The ledger vocabulary is small enough for the default tiny model (``cfg.model.vocab_size =
+The ledger vocabulary is small enough for the default tiny model (``model.vocab_size =
 64``). ``encode``/``decode`` map whitespace-separated text to ids and back, for debugging
 and for writing tests readably; a run of digits such as ``"123"`` becomes one token per
 digit, so numbers of any size use the ten digit tokens.

@@ -320,25 +320,25 @@ def cache_logical_axes(num_layers: int):
     return {k: (CACHE_AXES[k],) * num_layers for k in "kv"}
 
 
-def abstract_model(cfg_model, seed: int = 0):
+def abstract_model(spec, seed: int = 0):
     """(graphdef, abstract state) without allocating parameters."""
-    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg_model, nnx.Rngs(seed))))
+    return nnx.split(nnx.eval_shape(lambda: Decoder(spec, nnx.Rngs(seed))))
 
 
-def state_shardings(cfg_model, cell, role: str):
+def state_shardings(spec, cell, role: str):
     """NamedShardings of the parameter state on ``cell`` laid out for ``role``."""
-    _, abstract_state = abstract_model(cfg_model)
+    _, abstract_state = abstract_model(spec)
     return gmesh.tree_shardings(cell, role, param_logical_axes(abstract_state), abstract_state)
 
 
-def init_sharded(cfg_model, seed: int, cell, role: str):
+def init_sharded(spec, seed: int, cell, role: str):
     """Initialises the parameters directly in their sharded layout -> (graphdef, state)."""
-    graphdef, _ = abstract_model(cfg_model, seed)
-    shardings = state_shardings(cfg_model, cell, role)
+    graphdef, _ = abstract_model(spec, seed)
+    shardings = state_shardings(spec, cell, role)
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def init():
-        return nnx.state(Decoder(cfg_model, nnx.Rngs(seed)), nnx.Param)
+        return nnx.state(Decoder(spec, nnx.Rngs(seed)), nnx.Param)
 
     return graphdef, init()
 

@@ -1,8 +1,8 @@
 """Tree-packed policy loss (pure): PPO with sign-split clipping, KL, stale-token correction.
 
-A packed row holds a prefix-shared token tree (DESIGN.md, "Packed batch"). Token j is predicted
-by the output at its parent ``pred[j]`` (-1 for a root), so log-probs are gathered as
-``log_softmax(logits[pred[j]])[tokens[j]]``; shifted labels would be wrong at branch points.
+A packed row holds a prefix-shared token tree (docs/data_flow.md, "Packed batch"). Token j is
+predicted by the output at its parent ``pred[j]`` (-1 for a root), so log-probs are gathered
+as ``log_softmax(logits[pred[j]])[tokens[j]]``; shifted labels would be wrong at branch points.
 Logits are computed once per row position and shared by every child of that position.
 
 Per path p with coefficient c_p >= 0 and advantage A_p, PPO maximises
@@ -15,18 +15,22 @@ with ``adv_pos = sum c_p A_p [A_p > 0]`` and ``adv_neg = sum c_p A_p [A_p < 0]``
 flattened per-path loss (value and gradient). ``clip(r) = clip(r, 1 - clip_low, 1 + clip_high)``.
 
 Linear terms use ``w = sum c_p``. Every metric is returned as a w-weighted *sum* (plus
-``w_sum``), so micro-batches add up and the step mean is ``sum / w_sum``.
+``w_sum``), so micro-batches add up and the step mean is ``sum / w_sum``; each metric's kind
+(summed, mean, count, max) is declared in ``gyre.trajectory.schema.METRICS``.
+
+Objectives: ``LOSSES`` maps each objective name to its loss; the batch side of an objective
+(which executions are targets, with which advantage) is ``gyre.trajectory.schema.OBJECTIVES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-# Fields of a packed batch the device programs read ([R, T] each); ids stay on the host.
-TRAIN_FIELDS = ("tokens", "pos", "leave", "pred", "old_logp", "adv_pos", "adv_neg", "w", "versions")
+from gyre.trajectory import schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +75,7 @@ def _k3(logp_a, logp_b):
     return jnp.exp(d) - d - 1.0
 
 
-def policy_loss(logp, entropy, batch, cfg: LossSpec, version_now, ref_logp=None):
+def policy_loss(logp, entropy, batch, spec: LossSpec, version_now, ref_logp=None):
     """Sign-split clipped policy loss of one packed micro-batch -> (loss, metrics).
 
     logp, entropy: [R,T] from :func:`token_logprobs` under the current parameters.
@@ -94,21 +98,21 @@ def policy_loss(logp, entropy, batch, cfg: LossSpec, version_now, ref_logp=None)
     base = old
     iw = jnp.ones_like(logp)
     stale = (versions >= 0) & (versions < version_now)
-    if cfg.tis_cap > 0:
+    if spec.tis_cap > 0:
         start = jax.lax.stop_gradient(logp)
         base = jnp.where(stale, start, old)
-        iw = jnp.where(stale, jnp.minimum(jnp.exp(start - old), cfg.tis_cap), 1.0)
+        iw = jnp.where(stale, jnp.minimum(jnp.exp(start - old), spec.tis_cap), 1.0)
     ratio = jnp.exp(logp - base)
-    clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    clipped = jnp.clip(ratio, 1.0 - spec.clip_low, 1.0 + spec.clip_high)
     surrogate = jnp.minimum(ratio, clipped) * adv_pos + jnp.maximum(ratio, clipped) * adv_neg
     pg_loss = -jnp.sum(iw * surrogate)
 
     kl = jnp.zeros(())
-    if cfg.kl_coef > 0:
+    if spec.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("train.kl_coef > 0 needs reference logprobs (ref_logp)")
         kl = jnp.sum(w * _k3(ref_logp.astype(jnp.float32), logp))
-    loss = pg_loss + cfg.kl_coef * kl
+    loss = pg_loss + spec.kl_coef * kl
 
     lag = jnp.where(weighted, version_now - versions, 0)
     metrics = {
@@ -119,8 +123,8 @@ def policy_loss(logp, entropy, batch, cfg: LossSpec, version_now, ref_logp=None)
         "tokens": jnp.sum(weighted).astype(jnp.float32),
         "entropy": jnp.sum(w * entropy),
         "approx_kl": jnp.sum(w * _k3(jax.lax.stop_gradient(logp), old)),
-        "clip_low_frac": jnp.sum(w * (ratio < 1.0 - cfg.clip_low)),
-        "clip_high_frac": jnp.sum(w * (ratio > 1.0 + cfg.clip_high)),
+        "clip_low_frac": jnp.sum(w * (ratio < 1.0 - spec.clip_low)),
+        "clip_high_frac": jnp.sum(w * (ratio > 1.0 + spec.clip_high)),
         "version_lag": jnp.sum(w * lag),
         "version_lag_max": jnp.max(lag).astype(jnp.float32),
         "stale_frac": jnp.sum(w * stale),
@@ -142,21 +146,57 @@ def sft_loss(logp, entropy, batch):
     return loss, metrics
 
 
-# Metrics that are maxima, not sums, when micro-batches are combined.
-MAX_METRICS = ("version_lag_max",)
+def _never(spec: LossSpec) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveLoss:
+    """The device side of an objective.
+
+    loss: (logp, entropy, batch, spec, version_now, ref_logp) -> (loss, metric sums); logp,
+    entropy [R,T] from :func:`token_logprobs`; batch: the micro-batch's device fields by name;
+    ref_logp: [R,T] reference logprobs, or None when ``needs_ref(spec)`` is false.
+    """
+
+    loss: Callable
+    needs_ref: Callable[[LossSpec], bool] = _never
+
+
+def _sft(logp, entropy, batch, spec, version_now, ref_logp):
+    return sft_loss(logp, entropy, batch)
+
+
+# Objective name -> its loss. A new objective: one entry here and one in schema.OBJECTIVES.
+LOSSES: dict[str, ObjectiveLoss] = {
+    "ppo": ObjectiveLoss(policy_loss, needs_ref=lambda spec: spec.kl_coef > 0),
+    "sft": ObjectiveLoss(_sft),
+}
+
+
+def objective_loss(name: str) -> ObjectiveLoss:
+    if name not in LOSSES:
+        raise ValueError(f"objective must be one of {tuple(LOSSES)}, got {name!r}")
+    return LOSSES[name]
 
 
 def combine_metrics(per_microbatch: list[dict]) -> dict:
-    """Adds micro-batch metric sums (maxima for MAX_METRICS) and derives the step means."""
+    """Combines micro-batch metric sums by their kind (schema.METRICS): maxima for MAX, sums
+    otherwise, then MEAN metrics divided by the combined ``w_sum``."""
     if not per_microbatch:
         raise ValueError("combine_metrics got no micro-batch metrics")
     out = {}
     for key in per_microbatch[0]:
         vals = [float(m[key]) for m in per_microbatch]
-        out[key] = max(vals) if key in MAX_METRICS else sum(vals)
+        out[key] = max(vals) if schema.metric_kind(key) == schema.MAX else sum(vals)
     w_sum = out.get("w_sum", 0.0)
-    for key in ("entropy", "approx_kl", "clip_low_frac", "clip_high_frac", "version_lag",
-                "stale_frac"):  # fmt: skip
-        if key in out:
+    for key in out:
+        if schema.metric_kind(key) == schema.MEAN:
             out[key] = out[key] / w_sum if w_sum > 0 else 0.0
     return out
+
+
+def scale_metrics(metrics: dict, s: float) -> dict:
+    """A part's metric sums as the whole step's: those linear in the loss coefficients times
+    ``s``, the rest (counts, maxima) as they are."""
+    return {k: (v * s if schema.rescaled(k) else v) for k, v in metrics.items()}

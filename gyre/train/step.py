@@ -38,14 +38,9 @@ from gyre import mesh as gmesh
 from gyre.model import decoder
 from gyre.train import loss as tloss
 from gyre.train import optimizer as topt
+from gyre.trajectory import schema
 
 log = logging.getLogger(__name__)
-
-OBJECTIVES = ("ppo", "sft")
-
-# Metric sums that are not linear in the loss coefficients (kept unscaled when parts of one
-# step are rescaled to the step's normaliser).
-_UNSCALED = ("version_lag_max", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +50,13 @@ class TrainerSpec:
     model: decoder.ModelSpec
     optimizer: topt.OptimizerSpec = topt.OptimizerSpec()
     loss: tloss.LossSpec = tloss.LossSpec()
-    objective: str = "ppo"  # 'ppo' (policy loss) or 'sft' (cross-entropy)
+    objective: str = "ppo"  # a name in loss.LOSSES: 'ppo' (policy loss), 'sft' (cross-entropy)
     rows_per_microbatch: int = 4
     max_bad_steps: int = 3
     seed: int = 0
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        tloss.objective_loss(self.objective)  # raises for an unknown objective
         if self.rows_per_microbatch < 1:
             raise ValueError(
                 f"train.rows_per_microbatch must be >= 1, got {self.rows_per_microbatch}"
@@ -75,7 +69,8 @@ class TrainingDiverged(RuntimeError):
 
 @dataclasses.dataclass
 class Microbatch:
-    """Host numpy arrays (TRAIN_FIELDS, each [R, T]) and the execution ids they hold."""
+    """Host numpy arrays (the schema's device fields, each [R, T]) and the execution ids
+    they hold."""
 
     arrays: dict
     exec_ids: list
@@ -108,25 +103,18 @@ def _field(batch, name):
     return batch[name] if isinstance(batch, dict) else getattr(batch, name)
 
 
-def _pad_row(t: int) -> dict:
-    """One padding row: isolated one-token roots with zero weight."""
-    idx = np.arange(t, dtype=np.int32)
-    row = {name: np.zeros(t, np.float32) for name in ("old_logp", "adv_pos", "adv_neg", "w")}
-    row.update(tokens=np.zeros(t, np.int32), pos=np.zeros(t, np.int32), leave=idx + 1)
-    row.update(pred=np.full(t, -1, np.int32), versions=np.full(t, -1, np.int32))
-    return row
-
-
 def split_microbatches(batch, rows: int, exec_names=None) -> list[Microbatch]:
     """Cuts a packed batch ([R, T] fields) into micro-batches of ``rows`` rows; the last one is
-    filled with padding rows so every micro-batch has the same shape (one compile).
+    filled with padding rows (``schema.FIELDS``' padding values) so every micro-batch has the
+    same shape (one compile).
 
     Each micro-batch records the executions it holds (from the batch's ``exec_index`` field,
     mapped through ``exec_names`` when given) for logging a bad step.
     """
     if rows < 1:
         raise ValueError(f"train.rows_per_microbatch must be >= 1, got {rows}")
-    arrays = {name: np.asarray(_field(batch, name)) for name in tloss.TRAIN_FIELDS}
+    names = schema.device_names()
+    arrays = {name: np.asarray(_field(batch, name)) for name in names}
     r, t = arrays["tokens"].shape
     try:
         exec_index = np.asarray(_field(batch, "exec_index"))
@@ -137,9 +125,8 @@ def split_microbatches(batch, rows: int, exec_names=None) -> list[Microbatch]:
         part = {k: v[start : start + rows] for k, v in arrays.items()}
         missing = rows - part["tokens"].shape[0]
         if missing:
-            pad = _pad_row(t)
-            part = {k: np.concatenate([v, np.stack([pad[k]] * missing).astype(v.dtype)])
-                    for k, v in part.items()}  # fmt: skip
+            pad = schema.empty(missing, t, names)
+            part = {k: np.concatenate([v, pad[k].astype(v.dtype)]) for k, v in part.items()}
         ids = [int(e) for e in np.unique(exec_index[start : start + rows]) if e >= 0]
         out.append(Microbatch(part, [exec_names[e] for e in ids] if exec_names else ids, i))
     return out
@@ -152,7 +139,7 @@ def _tree_add(a, b):
 _ADD = jax.jit(_tree_add, donate_argnums=(0,))
 
 
-def _objective(graphdef, objective, loss_cfg, use_ref, params, ref_params, batch, version_now):
+def _objective(graphdef, objective, loss_spec, use_ref, params, ref_params, batch, version_now):
     """(grads, metric sums) of one micro-batch under ``params``."""
     tokens, pred = batch["tokens"], batch["pred"]
 
@@ -163,27 +150,31 @@ def _objective(graphdef, objective, loss_cfg, use_ref, params, ref_params, batch
 
     def loss_of(p):
         logp, ent = logprobs(p)
-        if objective == "sft":
-            return tloss.sft_loss(logp, ent, batch)
         ref = jax.lax.stop_gradient(logprobs(ref_params)[0]) if use_ref else None
-        return tloss.policy_loss(logp, ent, batch, loss_cfg, version_now, ref)
+        return tloss.objective_loss(objective).loss(logp, ent, batch, loss_spec, version_now, ref)
 
     (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
     return grads, metrics
 
 
-@functools.cache
-def gradient_program(graphdef, spec, objective, loss_cfg, use_ref, mesh):
+def gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh):
     """The jitted gradient program of one cell (shared by every Trainer with these settings):
     parameters in the cell's 'train' layout, batch rows over 'data', batch buffers donated."""
+    return _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh,
+                             schema.device_names())  # fmt: skip
+
+
+@functools.cache
+def _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh, fields):
+    # ``fields`` keys the cache too: the program's batch is exactly the schema's device fields.
     cell = gmesh.Cell(-1, mesh)
     p_sh = decoder.state_shardings(spec, cell, "train")
     rows = NamedSharding(mesh, PartitionSpec("data", None))
     rep = NamedSharding(mesh, PartitionSpec())
-    b_sh = {name: rows for name in tloss.TRAIN_FIELDS}
+    b_sh = {name: rows for name in fields}
 
     def fn(params, ref_params, batch, version_now):
-        return _objective(graphdef, objective, loss_cfg, use_ref, params, ref_params, batch,
+        return _objective(graphdef, objective, loss_spec, use_ref, params, ref_params, batch,
                           version_now)  # fmt: skip
 
     return jax.jit(
@@ -228,7 +219,7 @@ def microbatch_grads(program, cell, params, ref_params, mb: Microbatch, version:
             f"{cell.index}; set train.rows_per_microbatch to a multiple of {data}"
         )
     rows_sh = NamedSharding(cell.mesh, PartitionSpec("data", None))
-    batch = {k: jax.device_put(np.asarray(mb.arrays[k]), rows_sh) for k in tloss.TRAIN_FIELDS}
+    batch = {k: jax.device_put(np.asarray(mb.arrays[k]), rows_sh) for k in schema.device_names()}
     version = jax.device_put(np.int32(version), NamedSharding(cell.mesh, PartitionSpec()))
     grads, metrics = program(params, ref_params, batch, version)
     return GradResult(grads, metrics, cell.index, list(mb.exec_ids))
@@ -247,7 +238,7 @@ class Trainer:
         self._param_sh, self._copies = {}, {}
         self.tx = topt.make_optimizer(spec.optimizer)
         self.params = gmesh.move(params, self.param_shardings(self.core))
-        self.use_ref = spec.objective == "ppo" and spec.loss.kl_coef > 0
+        self.use_ref = tloss.objective_loss(spec.objective).needs_ref(spec.loss)
         if self.use_ref and ref_params is None:
             raise ValueError("train.kl_coef > 0 needs ref_params (the reference policy)")
         self._ref_host = ref_params if self.use_ref else None
@@ -355,18 +346,19 @@ class Trainer:
     def apply_parts(self, parts: list[tuple[int, GradResult]], counts: list[float]):
         """One update from gradients computed part by part while a step streamed in.
 
-        Part p's loss was normalised by its own ``counts[p]``; scaling it by
-        ``counts[p] / sum(counts)`` makes the sum the gradient of the whole step's loss
-        (exact: tests/test_stream.py). With no gradient at all (every execution of the step an
-        infrastructure error) the weights stay and the counters advance, so the run goes on.
-        Returns the StepOutcome, or None for such an empty step.
+        Part p's loss was normalised by its own ``counts[p]``; scaling its gradient and its
+        linear metric sums (``tloss.scale_metrics``) by ``counts[p] / sum(counts)`` makes the
+        sum the gradient of the whole step's loss: the update equals :meth:`apply_step` over
+        the whole step's batch (tests/test_stream.py). With no gradient at all (every
+        execution of the step an infrastructure error) the weights stay and the counters
+        advance, so the run goes on. Returns the StepOutcome, or None for such an empty step.
         """
         total = sum(counts)
         results = []
         for part, res in parts:
             s = counts[part] / total
             grads = jax.tree.map(lambda g, s=s: g * s, res.grads)
-            metrics = {k: (v if k in _UNSCALED else v * s) for k, v in res.metrics.items()}
+            metrics = tloss.scale_metrics(res.metrics, s)
             results.append(GradResult(grads, metrics, res.cell_index, res.exec_ids))
         if results:
             return self.apply_step(results)

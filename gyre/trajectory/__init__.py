@@ -1,6 +1,7 @@
 """Trajectory processor: call records -> token trees -> bounded selection -> advantages -> rows.
 
-Pipeline entry point: :func:`gyre.trajectory.batch.build_batch`.
+Pipeline entry point: :func:`gyre.trajectory.batch.build_batch`. The packed batch's fields,
+the loss metrics' kinds and the objectives are declared in :mod:`gyre.trajectory.schema`.
 """
 
 from gyre.trajectory.advantages import (
@@ -11,7 +12,6 @@ from gyre.trajectory.advantages import (
 )
 from gyre.trajectory.batch import BatchReport, ExecutionResult, TrajectorySpec, build_batch
 from gyre.trajectory.pack import (
-    PackedBatch,
     build_forest,
     flatten,
     pack,
@@ -28,16 +28,20 @@ from gyre.trajectory.records import (
     validate_execution,
     validate_record,
 )
+from gyre.trajectory.schema import OBJECTIVES, Field, Objective, PackedBatch
 from gyre.trajectory.select import Selection, select_paths
 from gyre.trajectory.tree import Tree, build_tree
 
 __all__ = [
     "END_REASONS",
     "LOSS_MODES",
+    "OBJECTIVES",
     "ROLES",
     "BatchReport",
     "CallRecord",
     "ExecutionResult",
+    "Field",
+    "Objective",
     "PackedBatch",
     "RecordError",
     "Selection",

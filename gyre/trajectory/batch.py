@@ -10,7 +10,7 @@ the rest of the step goes on; infrastructure errors are excluded (never trained 
 Advantages and loss coefficients are computed over the executions that survive. A supervised
 step is the same batch with every advantage 1 (so ``adv_pos = w``), trained with the 'sft'
 objective; ``token_masks`` zero the weight of chosen completion tokens (e.g. a demonstration's
-deliberate mistakes).
+deliberate mistakes). Objectives and the batch's fields: :mod:`gyre.trajectory.schema`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gyre.trajectory import schema
 from gyre.trajectory.advantages import (
     LOSS_MODES,
     REWARDS,
@@ -28,12 +29,12 @@ from gyre.trajectory.advantages import (
     normaliser_count,
     path_coefficients,
 )
-from gyre.trajectory.pack import PackedBatch, flatten, pack, union_size
+from gyre.trajectory.pack import flatten, pack, union_size
 from gyre.trajectory.records import CallRecord, RecordError, validate_execution
+from gyre.trajectory.schema import PackedBatch
 from gyre.trajectory.select import select_paths
 from gyre.trajectory.tree import Tree, build_tree
 
-OBJECTIVES = ("ppo", "sft")
 PACKINGS = ("tree", "flat")
 
 
@@ -111,7 +112,7 @@ class BatchReport:
     normaliser: float = 0.0  # what the loss mode divided by (see normaliser_count)
 
 
-def _trees(results, spec: TrajectorySpec, objective: str):
+def _trees(results, spec: TrajectorySpec, targets: str):
     kept, rejected, excluded = [], [], []
     vocab_size, max_paths, row_len = spec.vocab_size, spec.max_paths, spec.row_len
     for i, res in enumerate(results):
@@ -120,7 +121,7 @@ def _trees(results, spec: TrajectorySpec, objective: str):
             tree = build_tree(res.records)
             if tree.tokens.min() < 0 or tree.tokens.max() >= vocab_size:
                 validate_execution(res.records, vocab_size)  # raises, naming the call
-            if objective == "sft":
+            if targets == schema.DEMONSTRATED:
                 score = 1.0  # every demonstration is a target
             else:
                 judged = 0.0 if res.score is None else res.score
@@ -142,9 +143,9 @@ def _trees(results, spec: TrajectorySpec, objective: str):
 
 
 def _mask_tokens(batch: PackedBatch, trees, masks) -> PackedBatch:
-    """Zeroes w / adv_pos / adv_neg of masked completion tokens. masks[e][c]: float[C] for
-    call c of packed execution e (1 keeps, 0 drops); a node shared by several calls keeps
-    the smallest value."""
+    """Scales the weighted fields (w, adv_pos, adv_neg) of masked completion tokens.
+    masks[e][c]: float[C] for call c of packed execution e (1 keeps, 0 drops); a node shared
+    by several calls keeps the smallest value."""
     keep = np.ones_like(batch.w)
     for e, (tree, calls) in enumerate(zip(trees, masks)):
         node_mask = np.ones(tree.num_nodes, np.float32)
@@ -154,9 +155,8 @@ def _mask_tokens(batch: PackedBatch, trees, masks) -> PackedBatch:
             node_mask[nodes] = np.minimum(node_mask[nodes], mask)
         sel = batch.exec_index == e
         keep[sel] = node_mask[batch.node_index[sel]]
-    return batch._replace(w=(batch.w * keep).astype(np.float32),
-                          adv_pos=(batch.adv_pos * keep).astype(np.float32),
-                          adv_neg=(batch.adv_neg * keep).astype(np.float32))  # fmt: skip
+    return batch.replace(**{f.name: (batch[f.name] * keep).astype(f.dtype)
+                            for f in schema.fields() if f.weighted})  # fmt: skip
 
 
 def build_batch(
@@ -168,19 +168,19 @@ def build_batch(
 ) -> tuple[PackedBatch, BatchReport]:
     """Packs one step's executions into rows.
 
-    objective: 'ppo' (group-relative advantages of the judged scores) or 'sft' (advantage 1).
+    objective: a name in ``schema.OBJECTIVES``: 'ppo' (group-relative advantages of the
+    judged scores) or 'sft' (every execution a target, advantage 1).
     token_masks: per input execution, per call, float[C] over the completion (1 keeps).
     buckets: allowed row counts (default: multiples of spec.rows_per_microbatch).
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    targets = schema.objective(objective).targets
     if token_masks is not None and len(token_masks) != len(results):
         raise ValueError(f"{len(token_masks)} token masks for {len(results)} executions")
-    kept, rejected, excluded = _trees(results, spec, objective)
+    kept, rejected, excluded = _trees(results, spec, targets)
     trees: list[Tree] = [k[1] for k in kept]
     calls = [list(k[2].kept) for k in kept]
     scores = [k[3] for k in kept]
-    if objective == "sft":
+    if targets == schema.DEMONSTRATED:
         adv = np.ones(len(kept))
     else:
         groups = [results[k[0]].task_id for k in kept]

@@ -1,4 +1,4 @@
-"""Pure-functional packing of selected token trees into padded rows (DESIGN.md, "Packed batch").
+"""Pure-functional packing of selected token trees into padded rows.
 
 Per execution, the union of its selected paths is laid out in DFS order (``Forest``): every
 subtree is contiguous, ``leave`` is one past its end, ``pred`` is the parent. A forest longer
@@ -7,40 +7,21 @@ node ``a`` (the only nodes outside the range that it can see) as zero-weight con
 (and whole small forests) are then binned into rows first-fit-decreasing, and the row count is
 rounded up to a bucket. ``flatten`` produces the same batch type with one causal segment per
 selected path: the reference (and the flat-training ablation).
+
+The packer lays out the rows (``leave``, ``pred``); every other field, and its padding, is
+declared in :mod:`gyre.trajectory.schema`, which this module fills field by field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
+from gyre.trajectory import schema
+from gyre.trajectory.schema import PackedBatch, Segment
 from gyre.trajectory.tree import Tree
-
-
-class PackedBatch(NamedTuple):
-    """Every field is [R, T]. Padding: isolated one-token roots with zero weight.
-
-    tokens, pos (depth), leave (subtree end; k is seen by q iff k <= q < leave[k]),
-    pred (parent position, -1 for a root): int32. old_logp, adv_pos, adv_neg, w: float32.
-    versions: int32 policy version (-1 for context). exec_index: int32 index of the
-    execution in the step (-1 for padding). node_index: int32 tree node id (-1 for padding).
-    A token is loss-bearing iff w > 0 (trainable and on a selected path).
-    """
-
-    tokens: np.ndarray
-    pos: np.ndarray
-    leave: np.ndarray
-    pred: np.ndarray
-    old_logp: np.ndarray
-    adv_pos: np.ndarray
-    adv_neg: np.ndarray
-    w: np.ndarray
-    versions: np.ndarray
-    exec_index: np.ndarray
-    node_index: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -166,17 +147,6 @@ def rows_for(n: int, buckets: Sequence[int]) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
-def _empty(n_rows: int, row_len: int) -> dict[str, np.ndarray]:
-    shape = (n_rows, row_len)
-    out = {f: np.zeros(shape, np.int32) for f in ("tokens", "pos")}
-    out["leave"] = np.broadcast_to(np.arange(1, row_len + 1, dtype=np.int32), shape).copy()
-    for f in ("pred", "versions", "exec_index", "node_index"):
-        out[f] = np.full(shape, -1, np.int32)
-    for f in ("old_logp", "adv_pos", "adv_neg", "w"):
-        out[f] = np.zeros(shape, np.float32)
-    return out
-
-
 def _bin(sizes: list[int], row_len: int) -> tuple[list[tuple[int, int]], int]:
     """First-fit decreasing: (row, offset) of each segment, and the number of rows used."""
     free = np.zeros(0, np.int64)
@@ -191,14 +161,15 @@ def _bin(sizes: list[int], row_len: int) -> tuple[list[tuple[int, int]], int]:
     return where, max(free.size, 1)
 
 
-def _write_tokens(out, r: int, o: int, tree: Tree, nodes: np.ndarray, e: int) -> slice:
-    cols = slice(o, o + nodes.size)
-    out["tokens"][r, cols] = tree.tokens[nodes]
-    out["pos"][r, cols] = tree.depth[nodes]
-    out["old_logp"][r, cols] = tree.logp[nodes]
-    out["versions"][r, cols] = tree.version[nodes]
-    out["exec_index"][r, cols] = e
-    out["node_index"][r, cols] = nodes
+def _write(out, r: int, o: int, seg: Segment, trained: bool) -> slice:
+    """Writes every schema field with a value for ``seg`` at row r from column o.
+
+    Weighted fields only where ``trained``: repeated ancestors are context and keep their zero
+    padding. Returns the columns written."""
+    cols = slice(o, o + seg.nodes.size)
+    for f in schema.fields():
+        if f.value is not None and (trained or not f.weighted):
+            out[f.name][r, cols] = f.value(seg)
     return cols
 
 
@@ -217,26 +188,22 @@ def pack(
         forest = build_forest(tree, kept[e], coefs[e], advantages[e])
         chunks += [(e, forest, a, b, anc) for a, b, anc in split_forest(forest, row_len)]
     where, n_rows = _bin([anc.size + b - a for _, _, a, b, anc in chunks], row_len)
-    out = _empty(rows_for(n_rows, buckets), row_len)
+    out = schema.empty(rows_for(n_rows, buckets), row_len)
     for (e, forest, a, b, anc), (r, o) in zip(chunks, where):
         d = anc.size
         if d:  # repeated ancestors: a chain of zero-weight context
-            cols = _write_tokens(out, r, o, trees[e], forest.node[anc], e)
+            seg = Segment(trees[e], forest.node[anc], e, np.zeros(d), forest.adv)
+            cols = _write(out, r, o, seg, trained=False)
             out["leave"][r, cols] = o + d + np.minimum(forest.leave[anc], b) - a
             out["pred"][r, cols] = np.arange(o - 1, o + d - 1)
             out["pred"][r, o] = -1
-        cols = _write_tokens(out, r, o + d, trees[e], forest.node[a:b], e)
+        seg = Segment(trees[e], forest.node[a:b], e, forest.w[a:b], forest.adv)
+        cols = _write(out, r, o + d, seg, trained=True)
         out["leave"][r, cols] = o + d + np.minimum(forest.leave[a:b], b) - a
         par = forest.parent[a:b]
         inside = np.where(par >= a, o + d + par - a, o + forest.depth[np.maximum(par, 0)])
         out["pred"][r, cols] = np.where(par < 0, -1, inside)
-        w = forest.w[a:b]
-        out["w"][r, cols] = w
-        if forest.adv > 0:
-            out["adv_pos"][r, cols] = w * forest.adv
-        elif forest.adv < 0:
-            out["adv_neg"][r, cols] = w * forest.adv
-    return PackedBatch(**out)
+    return PackedBatch(out)
 
 
 def flatten(
@@ -253,16 +220,12 @@ def flatten(
     if max(sizes, default=0) > row_len:
         raise ValueError(f"a path of {max(sizes)} tokens exceeds row_len {row_len}")
     where, n_rows = _bin(sizes, row_len)
-    out = _empty(rows_for(n_rows, buckets), row_len)
+    out = schema.empty(rows_for(n_rows, buckets), row_len)
     for (e, call, c), (r, o) in zip(paths, where):
         nodes = trees[e].path_nodes(call)
-        cols = _write_tokens(out, r, o, trees[e], nodes, e)
+        seg = Segment(trees[e], nodes, e, c * trees[e].trainable[nodes], float(advantages[e]))
+        cols = _write(out, r, o, seg, trained=True)
         out["leave"][r, cols] = o + nodes.size
         out["pred"][r, cols] = np.arange(o - 1, o + nodes.size - 1)
         out["pred"][r, o] = -1
-        cw = c * trees[e].trainable[nodes]
-        a = float(advantages[e])
-        out["adv_pos"][r, cols] = cw * max(a, 0.0)
-        out["adv_neg"][r, cols] = cw * min(a, 0.0)
-        out["w"][r, cols] = cw
-    return PackedBatch(**out)
+    return PackedBatch(out)
