@@ -1,7 +1,8 @@
 """The QwenGyre end-to-end table, with the cluster simulator, compared like for like.
 
     python benchmarks/paper_table.py [--steps N] [--seeds S] [--scenario SUBSTRING]
-                                     [--handover migrate|reprefill] [--no-memory] [--load L]
+                                     [--handover migrate|reprefill] [--admission resident|fifo]
+                                     [--no-memory] [--load L]
 
 For each scenario (experiments/paper_table.py) and each workload seed it runs colocate, async
 at every fixed split, and elastic at the configured staleness bound and at staleness 0, on a
@@ -9,7 +10,9 @@ cost model with per-cell memory (KV pool from the model and the hardware, see
 ``memory_cost``). It prints, per policy: end-to-end hours, equal-work hours (the hours to
 train the workload's full token count at the policy's trained tokens per hour: timeouts cut
 executions short, so hours alone compare different amounts of work), tokens per hour and
-per execution, timeouts, utilisation, evictions and re-prefill; then elastic's ratios, mean
+per execution, timeouts, completed executions per hour, utilisation, evictions and
+re-prefill (a row whose policies differ by more than 10 points in timeout share says so);
+then elastic's ratios, mean
 +- standard error over the seeds: vs colocate, vs colocate at equal staleness (elastic at
 staleness 0), vs async at half split and at its best split (the split with the least mean
 equal-work hours, swept per scenario). Every assumption is printed with the table. The last
@@ -51,8 +54,8 @@ MEMORY_ASSUMPTIONS = (
     "layers x kv heads x head dim x tensors x dtype bytes (shapes as the calibration's source "
     "states them).",
     "Decode batch = the cell's live requests (no slot cap); a request reserves its call's "
-    "final context; idle contexts stay resident until evicted (LRU); a call returns to the "
-    "cell holding its context when it has room, else prefills its whole prompt elsewhere.",
+    "final context; a call returns to the cell holding its context when it has room, else "
+    "prefills its whole prompt elsewhere. {admission}",
     "Rollout capacity the elastic policy sees: KV pool / mean peak context of the executions "
     "finished so far (what the controller can measure).",
     f"Prefill runs alongside decode in chunks of {MIXED_CHUNK} tokens; prefill and training "
@@ -70,6 +73,18 @@ MEMORY_ASSUMPTIONS = (
 )
 
 
+ADMISSION = {
+    "resident": "Resident admission: an execution is admitted to a cell only while its context "
+    "can stay resident there (a reservation of its context, at least the mean peak of the "
+    "executions finished so far, growing with it); calls of admitted executions go first; "
+    "nothing is evicted; a hand-over moves reservations with the contexts.",
+    "fifo": "FIFO admission per request (--admission fifo): idle contexts stay resident until "
+    "evicted (LRU); nothing holds an execution back so that its context stays resident.",
+}
+# A row whose policies differ by more than this in timeout share compares different work.
+TIMEOUT_SPREAD = 0.10
+
+
 def load_scenarios(steps):
     spec = importlib.util.spec_from_file_location(
         "paper_table_cfg", os.path.join(ROOT, "experiments", "paper_table.py")
@@ -80,7 +95,8 @@ def load_scenarios(steps):
     return mod.scenarios(steps)
 
 
-def memory_cost(name: str, replication: int, handover: str = "migrate"):
+def memory_cost(name: str, replication: int, handover: str = "migrate",
+                admission: str = "resident"):  # fmt: skip
     """(replicated cost model with the memory model, CellMemory, per-real-cell figures)."""
     with open(os.path.join(calibration.CALIBRATIONS_DIR, name + ".json")) as f:
         spec = json.load(f)
@@ -96,6 +112,7 @@ def memory_cost(name: str, replication: int, handover: str = "migrate"):
     fields = hardware_engine_fields(spec, mem, LINK_PER_DEVICE * devices)
     cost = dataclasses.replace(base, **fields, slots=0, cell_capacity=0.0, mixed_chunk=MIXED_CHUNK,
                                handover_migrate=handover == "migrate",
+                               resident_admission=admission == "resident",
                                weight_load_s=base.switch_t2r_s)  # fmt: skip
     return cost.replicated(replication), mem, cost
 
@@ -121,6 +138,7 @@ def steady_hours(r, full_tokens: float, step_of: dict) -> float:
 def run_stats(r, full_tokens: float, replication: int, step_of: dict) -> dict:
     tokens = r.counters["trained_tokens"]
     n = len(r.outcomes)
+    timeouts = sum(o[0] == "timeout" for o in r.outcomes.values())
     hours = r.makespan_s / 3600
     return {
         "hours": hours,
@@ -128,7 +146,9 @@ def run_stats(r, full_tokens: float, replication: int, step_of: dict) -> dict:
         "steady_equal_work_h": steady_hours(r, full_tokens, step_of),
         "tokens_per_h_m": tokens * replication / hours / 1e6,
         "tokens_per_exec_k": tokens / n / 1e3,
-        "timeout_share": sum(o[0] == "timeout" for o in r.outcomes.values()) / n,
+        "timeout_share": timeouts / n,
+        # executions that ran to their end (not cut by the timeout), real ones per hour
+        "completed_per_h": (n - timeouts) * replication / hours,
         "utilisation": r.utilisation,
         "lower_bound_h": r.lower_bound_s / 3600,
         "switches": r.switches,
@@ -147,7 +167,7 @@ def mean_se(xs) -> dict:
 
 def average(runs: list[dict]) -> dict:
     out = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-    for k in ("hours", "equal_work_h", "steady_equal_work_h", "tokens_per_h_m"):
+    for k in ("hours", "equal_work_h", "steady_equal_work_h", "tokens_per_h_m", "timeout_share"):
         out[k + "_se"] = mean_se([r[k] for r in runs])["se"]
     return out
 
@@ -217,7 +237,16 @@ def run_scenario(sc, seeds: int, cost, splits=None) -> dict:
         "hours_vs_async_half": ratio(runs[f"async_{half}"], key="hours"),
         "reported": sc.reported,
         "mean_peak_context": float(np.mean(peaks)),
+        **timeout_flag(policies),
     }
+
+
+def timeout_flag(policies: dict) -> dict:
+    """Spread of the timeout shares across the policies, and whether it exceeds 10 points
+    (then equal-work hours compare executions cut at different lengths)."""
+    shares = [v["timeout_share"] for v in policies.values()]
+    spread = max(shares) - min(shares)
+    return {"timeout_spread": spread, "timeouts_differ": spread > TIMEOUT_SPREAD}
 
 
 def fmt_range(r) -> str:
@@ -243,7 +272,7 @@ def print_scenario(sc, res: dict, mem, real_cost, staleness: int) -> None:
               f"({m['mean_peak_context_k']:.0f}K tokens) per cell, against "
               f"{res['executions_per_step'] / res['cells']:.0f} executions per cell per step")  # fmt: skip
     head = (f"   {'policy':18s} {'hours':>7s} {'equal-work h':>15s} {'steady':>7s} {'M tok/h':>8s} "
-            f"{'K tok/exec':>10s} {'timeouts':>8s} {'util':>5s} {'evict/exec':>10s} "
+            f"{'K tok/exec':>10s} {'timeouts':>8s} {'done/h':>7s} {'util':>5s} {'evict/exec':>10s} "
             f"{'re-prefill':>10s} {'batch':>6s} {'switches':>8s}")  # fmt: skip
     print(head)
     labels = {
@@ -260,12 +289,16 @@ def print_scenario(sc, res: dict, mem, real_cost, staleness: int) -> None:
         print(f"   {label:18s} {v['hours']:7.1f} {v['equal_work_h']:8.1f} +-{v['equal_work_h_se']:5.1f} "
               f"{v['steady_equal_work_h']:7.1f} "
               f"{v['tokens_per_h_m']:8.1f} {v['tokens_per_exec_k']:10.0f} "
-              f"{100 * v['timeout_share']:7.0f}% {v['utilisation']:5.2f} "
+              f"{100 * v['timeout_share']:7.0f}% {v['completed_per_h']:7.1f} {v['utilisation']:5.2f} "
               f"{v['evictions_per_exec']:10.1f} {v['reprefill_per_trained']:9.2f}x "
               f"{v['mean_decode_batch']:6.0f} {v['switches']:8.0f}{extra}")  # fmt: skip
     print("   async splits (R rollout cells: equal-work h): "
           + ", ".join(f"{r}: {h:.1f}" for r, h in res["async_splits"].items()))  # fmt: skip
     print(f"   lower bound (any policy, own work): {res['lower_bound_h']:.1f} h")
+    if res["timeouts_differ"]:
+        print(f"   ! timeout shares differ by {100 * res['timeout_spread']:.0f} points across "
+              "the policies: equal-work hours compare executions cut at different lengths; "
+              "read completed executions per hour (done/h) and tokens per execution beside them")  # fmt: skip
     rep = sc.reported
     st = res["steady"]
     print("   elastic's speedup, equal work (= tokens/h), mean +- SE over seeds: whole run | "
@@ -294,6 +327,9 @@ def main():
     ap.add_argument("--handover", choices=("migrate", "reprefill"), default="migrate",
                     help="how a cell leaving rollout hands its contexts over "
                     "(scheduler.handover's default: migrate)")  # fmt: skip
+    ap.add_argument("--admission", choices=("resident", "fifo"), default="resident",
+                    help="memory model's admission: keep contexts resident, or FIFO per request "
+                    "with LRU eviction (the previous model)")  # fmt: skip
     ap.add_argument("--no-memory", action="store_true",
                     help="the previous model: no KV limit, a global free prefix cache, 64 slots")  # fmt: skip
     ap.add_argument("--splits", default="",
@@ -304,7 +340,8 @@ def main():
     args = ap.parse_args()
     splits = [int(x) for x in args.splits.split(",") if x] or None
     rows, t0 = [], time.time()
-    common = [a.replace("{handover}", args.handover) for a in MEMORY_ASSUMPTIONS]
+    common = [a.replace("{handover}", args.handover).replace("{admission}", ADMISSION[args.admission])
+              for a in MEMORY_ASSUMPTIONS]  # fmt: skip
     if args.no_memory:
         common = [common[-2], common[-1], "No memory model (--no-memory): the previous model."]
     for sc in load_scenarios(args.steps):
@@ -314,7 +351,8 @@ def main():
         if args.no_memory:
             cost, mem, real = plain_cost(sc), None, None
         else:
-            cost, mem, real = memory_cost(sc.calibration, sc.replication, args.handover)
+            cost, mem, real = memory_cost(sc.calibration, sc.replication, args.handover,
+                                          args.admission)  # fmt: skip
         res = run_scenario(sc, args.seeds, cost, splits)
         # The scenario's own assumptions, less the cell capacity the memory model replaces.
         own = [a for a in sc.assumptions if args.no_memory or "(cell_capacity)" not in a]
@@ -332,7 +370,7 @@ def main():
         rows.append(res)
         print_scenario(sc, res, mem, real, sc.params.max_staleness)
     print(f"\n({time.time() - t0:.1f} s)")
-    print(json.dumps({"scenarios": rows, "handover": args.handover,
+    print(json.dumps({"scenarios": rows, "handover": args.handover, "admission": args.admission,
                       "memory": not args.no_memory, "seconds": round(time.time() - t0, 1)}))  # fmt: skip
 
 

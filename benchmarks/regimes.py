@@ -1,6 +1,7 @@
 """Where elastic wins: a map over KV capacity per cell and the training share of a step.
 
     python benchmarks/regimes.py [--out PATH] [--steps N] [--seeds S] [--quick]
+                                 [--admission resident|fifo]
 
 Base: the SWE / terminal scenario of benchmarks/paper_table.py as it is there (122B-class
 model, its memory model and costs, 8 cells, 1024 executions per step), fewer steps. Grid:
@@ -73,17 +74,17 @@ def with_kv(cost, kv_ratio: float, per_cell: float, peak: float, floor: float):
     return dataclasses.replace(cost, kv_capacity_tokens=max(kv_ratio * per_cell * peak, floor))
 
 
-def base_setup(steps_n: int):
+def base_setup(steps_n: int, admission: str = "resident"):
     sc = next(s for s in paper_table.load_scenarios(steps_n) if "SWE" in s.name)
-    cost, _, _ = paper_table.memory_cost(sc.calibration, sc.replication)
+    cost, _, _ = paper_table.memory_cost(sc.calibration, sc.replication, admission=admission)
     return sc, cost
 
 
-def scenario_marks(steps_n: int) -> list[dict]:
+def scenario_marks(steps_n: int, admission: str = "resident") -> list[dict]:
     """Each paper scenario's own (x, y): its KV ratio and colocate's training share."""
     marks = []
     for sc in paper_table.load_scenarios(steps_n):
-        cost, mem, _ = paper_table.memory_cost(sc.calibration, sc.replication)
+        cost, mem, _ = paper_table.memory_cost(sc.calibration, sc.replication, admission=admission)
         steps = generate(sc.workload)
         per_cell = sc.workload.executions_per_step / sc.num_cells
         ratio = cost.kv_capacity_tokens / peak_context(steps) / per_cell
@@ -96,23 +97,35 @@ def scenario_marks(steps_n: int) -> list[dict]:
 def grid_point(sc, cost, seeds_steps, kv_ratio: float) -> dict:
     per_cell = sc.workload.executions_per_step / sc.num_cells
     p = sc.params
+    stats: dict = {}
     out = {"async": {r: [] for r in range(1, sc.num_cells)}, "colocate": [], "elastic": [],
            "elastic_s0": []}  # fmt: skip
     for steps, full, peak, floor in seeds_steps:
         step_of = {ex.execution_id: ex.step for batch in steps for ex in batch}
         c = with_kv(cost, kv_ratio, per_cell, peak, floor)
 
-        def h(policy, params, steps=steps, c=c, full=full, step_of=step_of):
+        def h(policy, params, key, steps=steps, c=c, full=full, step_of=step_of):
             r = simulate(steps, sc.num_cells, policy, c, params)
-            return paper_table.run_stats(r, full, sc.replication, step_of)[METRIC]
+            st = paper_table.run_stats(r, full, sc.replication, step_of)
+            stats.setdefault(key, []).append(st)
+            return st[METRIC]
 
-        out["colocate"].append(h("colocate", p))
-        out["elastic"].append(h("elastic", p))
-        out["elastic_s0"].append(h("elastic", dataclasses.replace(p, max_staleness=0)))
+        out["colocate"].append(h("colocate", p, "colocate"))
+        out["elastic"].append(h("elastic", p, "elastic"))
+        out["elastic_s0"].append(
+            h("elastic", dataclasses.replace(p, max_staleness=0), "elastic_s0")
+        )
         for r in out["async"]:
-            out["async"][r].append(h("async", dataclasses.replace(p, async_rollout_cells=r)))
+            out["async"][r].append(
+                h("async", dataclasses.replace(p, async_rollout_cells=r), f"async_{r}")
+            )
     best = min(out["async"], key=lambda r: (np.mean(out["async"][r]), r))
     e = np.array(out["elastic"])
+    # What was done, beside the equal-work hours: per policy, mean over seeds.
+    done = {name: {k: float(np.mean([x[k] for x in stats[key]]))
+                   for k in ("timeout_share", "completed_per_h", "tokens_per_exec_k")}
+            for name, key in (("colocate", "colocate"), ("elastic", "elastic"),
+                              ("elastic_s0", "elastic_s0"), ("async_best", f"async_{best}"))}  # fmt: skip
 
     def speedup(other, mine=e):
         x = np.array(other) / mine
@@ -124,7 +137,8 @@ def grid_point(sc, cost, seeds_steps, kv_ratio: float) -> dict:
     return {"vs_async_best": vs_best, "vs_async_best_se": vs_best_se, "best_split": best,
             "vs_colocate": vs_col, "vs_colocate_se": vs_col_se,
             "vs_colocate_equal_staleness": vs_eq, "vs_colocate_equal_staleness_se": vs_eq_se,
-            "elastic_equal_work_h": float(e.mean())}  # fmt: skip
+            "elastic_equal_work_h": float(e.mean()), "done": done,
+            **paper_table.timeout_flag(done)}  # fmt: skip
 
 
 def plot(path: str, res: dict) -> None:
@@ -171,12 +185,14 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a 2 x 2 grid, 2 steps, 1 seed")
+    ap.add_argument("--admission", choices=("resident", "fifo"), default="resident",
+                    help="the memory model's admission (paper_table.py --admission)")  # fmt: skip
     args = ap.parse_args()
     kv, shares, steps_n, seeds = KV_RATIOS, TRAIN_SHARES, args.steps, args.seeds
     if args.quick:
         kv, shares, steps_n, seeds = QUICK["kv"], QUICK["shares"], QUICK["steps"], QUICK["seeds"]
     t0 = time.time()
-    sc, cost = base_setup(steps_n)
+    sc, cost = base_setup(steps_n, args.admission)
     seeds_steps = []
     for i in range(seeds):
         steps = generate(dataclasses.replace(sc.workload, seed=sc.workload.seed + 1000 * i))
@@ -197,14 +213,19 @@ def main():
             g = grid_point(sc, c, seeds_steps, x)
             rows.append({"kv_ratio": x, "train_share_target": y, "train_share": got,
                          "train_cost_scale": f, **g})  # fmt: skip
+            d = g["done"]
+            flag = "  ! timeouts differ" if g["timeouts_differ"] else ""
             print(f"  kv {x:4.2f} share {y:4.2f} (measured {got:.2f}): vs best async "
                   f"{g['vs_async_best']:.2f} (R={g['best_split']}), vs colocate "
                   f"{g['vs_colocate']:.2f}, equal staleness {g['vs_colocate_equal_staleness']:.2f}"
-                  f"  [{time.time() - t0:.0f} s]", flush=True)  # fmt: skip
-    marks = scenario_marks(2 if args.quick else 3)
+                  f"; timeouts elastic {d['elastic']['timeout_share']:.0%} / best async "
+                  f"{d['async_best']['timeout_share']:.0%}, done/h "
+                  f"{d['elastic']['completed_per_h']:.0f} / {d['async_best']['completed_per_h']:.0f}"
+                  f"{flag}  [{time.time() - t0:.0f} s]", flush=True)  # fmt: skip
+    marks = scenario_marks(2 if args.quick else 3, args.admission)
     res = {"kv_ratios": list(kv), "train_shares": list(shares), "grid": rows, "scenarios": marks,
            "cells": sc.num_cells, "executions_per_step": sc.real_executions_per_step,
-           "steps": steps_n, "seeds": seeds, "png": args.out}  # fmt: skip
+           "steps": steps_n, "seeds": seeds, "png": args.out, "admission": args.admission}  # fmt: skip
     grid = {(g["kv_ratio"], g["train_share_target"]): g for g in rows}
     for key, title in (("vs_async_best", "best async / elastic"),
                        ("vs_colocate", "colocate / elastic (staleness 0 vs 1)"),
@@ -213,6 +234,13 @@ def main():
         print("share \\ kv " + "".join(f"{x:>8.2f}" for x in kv))
         for y in shares:
             print(f"{y:10.2f} " + "".join(f"{grid[x, y][key]:8.2f}" for x in kv))
+    print("\ntimeout share, elastic / best async split (! = policies differ by > 10 points):")
+    print("share \\ kv " + "".join(f"{x:>12.2f}" for x in kv))
+    for y in shares:
+        cells = [grid[x, y] for x in kv]
+        print(f"{y:10.2f} " + "".join(
+            f"{g['done']['elastic']['timeout_share']:6.0%}/{g['done']['async_best']['timeout_share']:4.0%}"
+            + ("!" if g["timeouts_differ"] else " ") for g in cells))  # fmt: skip
     print(f"\nbest async split (rollout cells of {sc.num_cells}):")
     for y in shares:
         print(f"{y:10.2f} " + "".join(f"{grid[x, y]['best_split']:8d}" for x in kv))

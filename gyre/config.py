@@ -161,6 +161,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.scheduler.max_staleness = 1  # bound on step - weight version at dispatch
     c.scheduler.async_rollout_cells = 0  # fixed split for the async policy; 0 = half
     c.scheduler.slack_cells = 1  # elastic: spare rollout cells kept beyond the outstanding work
+    # elastic: a cell leaves rollout only for trainable work that keeps the train cells busy
+    # for this many switch round trips (gyre/elastic/policy.py)
+    c.scheduler.leave_round_trips = 3.0
     # What the policy assumes until the run has measured its own figures: seconds a role
     # switch costs, and the calibration (gyre/elastic/calibrations/<name>.json, or a path)
     # whose training speed seeds each cell's train tokens/s.
@@ -256,6 +259,7 @@ BOUNDS: dict[str, Bound] = {
     "run.watchdog_s": _ge(0),
     "scheduler.max_staleness": _ge(0), "scheduler.async_rollout_cells": _ge(0),
     "scheduler.slack_cells": _ge(0), "scheduler.switch_cost_s": _ge(0),
+    "scheduler.leave_round_trips": _ge(0),
     "eval.tasks": _ge(0), "eval.every": _ge(0), "eval.temperature": _ge(0),
     "sft.steps": _ge(0), "sft.target_accuracy": UNIT, "sft.batch": _ge(1), "sft.lr": _gt(0),
     "sft.eval_every": _ge(1), "sft.mistake_prob": UNIT, "sft.seed": _ge(-1),

@@ -74,9 +74,9 @@ def _switchy(snap, params):
     return policies.Allocation(tuple(roles), "random switches", base.dispatch)
 
 
-def _records(cfg, workdir, policy_fn):
+def _records(cfg, workdir, scheduler_policy):
     """Runs the controller alone; -> {execution id: [(call id, completion tokens)]}."""
-    ctrl = Controller(build_runtime(build_specs(cfg), workdir), policy_fn=policy_fn)
+    ctrl = Controller(build_runtime(build_specs(cfg), workdir), scheduler_policy=scheduler_policy)
     out = {}
 
     async def collect(record):
@@ -220,13 +220,13 @@ def test_the_policy_sees_measured_figures_and_concurrency_is_honoured(shared, tm
     cfg = tiny(shared, **{"agent.concurrency": 3, "scheduler.calibration": "cpu_measured"})
     ctrl = Controller(build_runtime(build_specs(cfg), str(tmp_path)))
     seen, rows, calls = [], [], []
-    policy = ctrl.policy
+    policy = ctrl.scheduler_policy
 
     def watching(snap, params):
         seen.append(snap)
         return policy(snap, params)
 
-    ctrl.policy = watching
+    ctrl.scheduler_policy = watching
 
     async def on_step(record):
         from gyre.rl.work import step_metrics

@@ -1,4 +1,5 @@
-"""Allocation policies: the waterlevel rule, the async split and staleness bound, purity."""
+"""Allocation policies: the throughput rule, the memory waterlevel (ablation), the async split
+and staleness bound, purity; and the throughput rule against fixed splits in the simulator."""
 
 import dataclasses
 
@@ -15,6 +16,7 @@ from gyre.elastic.policy import (
     async_split,
     colocate,
     elastic,
+    elastic_memory,
 )
 
 R, T = ROLLOUT, TRAIN
@@ -24,6 +26,9 @@ def snap(
     roles,
     outstanding=0,
     queue=0.0,
+    trainable=0.0,
+    rolled_out=False,
+    running=None,
     live=None,
     cap=4.0,
     tp=100.0,
@@ -38,7 +43,7 @@ def snap(
     return LoadSnapshot(
         roles=tuple(roles),
         dispatched=20 + outstanding,
-        started=20 + outstanding,
+        started=20 + (outstanding if running is None else running),
         finished=20,
         live_requests=tuple(live or [0] * k),
         train_queue_tokens=queue,
@@ -50,6 +55,8 @@ def snap(
         weight_version=version,
         total_steps=total,
         next_batch=next_batch,
+        trainable_tokens=trainable,
+        rolled_out=rolled_out,
     )
 
 
@@ -59,7 +66,7 @@ BIG_QUEUE = 1e6  # 1e6 tokens / 100 tok/s per cell: far more than any switch cos
 def test_core_cell_leaves_first_then_fewest_live_requests():
     # demand 2, capacity 4/cell, one cell of slack: 2 rollout cells must stay.
     s = snap([R, R, R, R], outstanding=2, queue=BIG_QUEUE, live=[3, 2, 0, 1], step=2, version=1)
-    a = elastic(s, PolicyParams(max_staleness=0))
+    a = elastic_memory(s, PolicyParams(max_staleness=0))
     assert a.roles == (T, R, T, R)
     assert not a.dispatch
 
@@ -67,13 +74,13 @@ def test_core_cell_leaves_first_then_fewest_live_requests():
 def test_slack_of_one_cell():
     p = PolicyParams(max_staleness=0)
     # 8 outstanding need 2 cells of capacity + 1 of slack: only the core may leave.
-    a = elastic(snap([R] * 4, outstanding=8, queue=BIG_QUEUE, step=2), p)
+    a = elastic_memory(snap([R] * 4, outstanding=8, queue=BIG_QUEUE, step=2), p)
     assert a.roles == (T, R, R, R)
     # 9 outstanding need 3 cells + slack = all 4: nobody leaves.
-    a = elastic(snap([R] * 4, outstanding=9, queue=BIG_QUEUE, step=2), p)
+    a = elastic_memory(snap([R] * 4, outstanding=9, queue=BIG_QUEUE, step=2), p)
     assert a.roles == (R,) * 4
     # Two cells of slack keep one more cell in rollout.
-    a = elastic(
+    a = elastic_memory(
         snap([R] * 4, outstanding=4, queue=BIG_QUEUE, step=2), dataclasses.replace(p, slack_cells=2)
     )
     assert a.roles == (T, R, R, R)
@@ -83,14 +90,14 @@ def test_switch_only_when_reclaimed_area_exceeds_round_trip_cost():
     p = PolicyParams(max_staleness=0)
     cost = 8.5 + 3.5  # seconds; one cell trains 100 tok/s, so the break-even queue is 1200
     # One execution outstanding: capacity allows two cells to leave.
-    a = elastic(snap([R] * 4, outstanding=1, queue=1199.0, step=2), p)
+    a = elastic_memory(snap([R] * 4, outstanding=1, queue=1199.0, step=2), p)
     assert a.roles == (R,) * 4
-    a = elastic(snap([R] * 4, outstanding=1, queue=1201.0, step=2), p)
+    a = elastic_memory(snap([R] * 4, outstanding=1, queue=1201.0, step=2), p)
     assert a.roles == (T, R, R, R)  # a second cell would reclaim only 1201/200 s < 12 s
-    a = elastic(snap([R] * 4, outstanding=1, queue=100 * cost * 2 + 1, step=2), p)
+    a = elastic_memory(snap([R] * 4, outstanding=1, queue=100 * cost * 2 + 1, step=2), p)
     assert a.roles == (T, T, R, R)
     # No demand left: the queue must be trained whatever the cost, so the core goes.
-    a = elastic(snap([R] * 4, outstanding=0, queue=10.0, step=2), p)
+    a = elastic_memory(snap([R] * 4, outstanding=0, queue=10.0, step=2), p)
     assert a.roles == (T, R, R, R)
 
 
@@ -98,28 +105,95 @@ def test_cells_return_when_queue_drains_core_last():
     p = PolicyParams(max_staleness=0)
     roles = [T, T, T, R]
     # Queue not drained: the train cells stay even though demand is high.
-    assert elastic(snap(roles, outstanding=6, queue=50.0, step=2), p).roles == tuple(roles)
+    assert elastic_memory(snap(roles, outstanding=6, queue=50.0, step=2), p).roles == tuple(roles)
     # Drained: demand 6 needs 2 cells + slack -> two of the train cells return, core last.
-    a = elastic(snap(roles, outstanding=6, queue=0.0, step=2), p)
+    a = elastic_memory(snap(roles, outstanding=6, queue=0.0, step=2), p)
     assert a.roles == (T, R, R, R)
-    a = elastic(snap(roles, outstanding=9, queue=0.0, step=2), p)
+    a = elastic_memory(snap(roles, outstanding=9, queue=0.0, step=2), p)
     assert a.roles == (R, R, R, R)
     # Drained and no demand: nobody moves (returning reclaims nothing).
-    assert elastic(snap(roles, outstanding=0, queue=0.0, step=2), p).roles == tuple(roles)
+    assert elastic_memory(snap(roles, outstanding=0, queue=0.0, step=2), p).roles == tuple(roles)
 
 
 def test_next_batch_counts_as_demand_when_it_may_be_dispatched():
-    a = elastic(snap([T, T, T, T], outstanding=0, queue=0.0, step=1, version=1, next_batch=8))
+    a = elastic_memory(
+        snap([T, T, T, T], outstanding=0, queue=0.0, step=1, version=1, next_batch=8)
+    )
     assert a.dispatch and a.roles == (T, R, R, R)  # 8 + 4 of slack needs 3 cells
     # Staleness 0 forbids the dispatch while step 2 waits on version 1: no demand, no return.
-    a = elastic(snap([T] * 4, step=2, version=1), PolicyParams(max_staleness=0))
+    a = elastic_memory(snap([T] * 4, step=2, version=1), PolicyParams(max_staleness=0))
     assert not a.dispatch and a.roles == (T,) * 4
 
 
 def test_demand_never_left_without_a_rollout_cell():
     # Queue not drained (no return by the rule), yet demand exists: one cell is brought back.
-    a = elastic(snap([T] * 4, outstanding=3, queue=BIG_QUEUE, step=2))
+    a = elastic_memory(snap([T] * 4, outstanding=3, queue=BIG_QUEUE, step=2))
     assert a.roles.count(R) >= 1 and a.roles[0] == T
+
+
+# ---- the throughput rule (elastic) -----------------------------------------------------------
+RT = 8.5 + 3.5  # a round trip; one cell trains 100 tok/s
+
+
+def test_cells_leave_only_for_trainable_work_covering_the_round_trips():
+    p = PolicyParams(max_staleness=0, leave_round_trips=3.0)
+    busy = [5, 5, 5, 5]  # every rollout cell decodes
+    # 3 round trips of one cell's training: 3600 tokens. Just under: nobody leaves.
+    a = elastic(snap([R] * 4, outstanding=4, trainable=3 * RT * 100 - 1, live=busy, cap=8), p)
+    assert a.roles == (R,) * 4
+    a = elastic(snap([R] * 4, outstanding=4, trainable=3 * RT * 100 + 1, live=busy, cap=8), p)
+    assert a.roles == (T, R, R, R)  # the core first; a second would get half of it
+    a = elastic(snap([R] * 4, outstanding=4, trainable=2 * 3 * RT * 100 + 1, live=busy, cap=8), p)
+    assert a.roles == (T, T, R, R)
+    # Queued tokens that are not trainable yet (a partial micro-batch) move nobody.
+    a = elastic(snap([R] * 4, outstanding=4, queue=BIG_QUEUE, trainable=0.0, live=busy, cap=8), p)
+    assert a.roles == (R,) * 4
+
+
+def test_work_that_gates_the_optimizer_step_needs_one_round_trip():
+    p = PolicyParams(max_staleness=0, leave_round_trips=3.0)
+    a = elastic(snap([R] * 4, outstanding=4, trainable=2 * RT * 100 + 1, rolled_out=True,
+                     live=[5] * 4, cap=8), p)  # fmt: skip
+    assert a.roles == (T, T, R, R)  # two cells, each with exactly one round trip: not a third
+    # The oldest step has rolled out: its tokens gate the optimizer step, however few.
+    a = elastic(snap([R] * 4, outstanding=4, trainable=10.0, rolled_out=True, live=[5] * 4,
+                     cap=8), p)  # fmt: skip
+    assert a.roles == (T, R, R, R)
+
+
+def test_memory_binds_the_cells_that_may_leave():
+    p = PolicyParams(max_staleness=0)
+    # 10 running executions, 4 per cell, one cell of slack: 3 + 1 cells must stay.
+    a = elastic(snap([R] * 4, outstanding=10, trainable=BIG_QUEUE, live=[3] * 4, cap=4), p)
+    assert a.roles == (R,) * 4
+    # Only 6 of them admitted (running): two cells of capacity + slack stay, the core leaves.
+    a = elastic(snap([R] * 4, outstanding=10, running=6, trainable=BIG_QUEUE, live=[3] * 4,
+                     cap=4), p)  # fmt: skip
+    assert a.roles == (T, R, R, R)
+
+
+def test_train_cells_return_when_nothing_is_trainable():
+    p = PolicyParams(max_staleness=0)
+    roles = [T, T, T, R]
+    # Something left to take: the train cells stay, whatever the demand.
+    a = elastic(snap(roles, outstanding=9, queue=5e3, trainable=50.0, live=[0, 0, 0, 9]), p)
+    assert a.roles == tuple(roles)
+    # Nothing trainable (a partial micro-batch queued) and demand: every train cell returns.
+    a = elastic(snap(roles, outstanding=1, queue=5e3, trainable=0.0, live=[0, 0, 0, 1]), p)
+    assert a.roles == (R,) * 4
+    # No demand: nobody returns (the optimizer step or the staleness bound holds dispatch).
+    a = elastic(snap(roles, outstanding=0, queue=0.0, step=2, version=1), p)
+    assert a.roles == tuple(roles) and not a.dispatch
+    # No demand, queued tokens and no train cell: the core trains them whatever the cost.
+    a = elastic(snap([R] * 4, outstanding=0, queue=10.0, trainable=10.0, step=2), p)
+    assert a.roles[0] == T
+
+
+def test_policy_params_bounds():
+    with pytest.raises(ValueError, match="leave_round_trips"):
+        PolicyParams(leave_round_trips=-1.0)
+    with pytest.raises(ValueError, match="trainable_tokens"):
+        LoadSnapshot((R,), 1, 1, 0, (0,), 0.0, (1.0,), (1.0,), 1.0, 1.0, trainable_tokens=-1.0)
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
@@ -168,10 +242,12 @@ def test_snapshot_validation():
 
 
 snapshots = st.builds(
-    lambda roles, out, q, live, cap, tp, step, lag: snap(
+    lambda roles, out, q, live, cap, tp, step, lag, share, rolled: snap(
         roles,
         outstanding=out,
         queue=q,
+        trainable=q * share,
+        rolled_out=rolled,
         live=live[: len(roles)] + [0] * (len(roles) - len(live)),
         cap=cap,
         tp=tp,
@@ -186,6 +262,8 @@ snapshots = st.builds(
     st.sampled_from([10.0, 1e3]),
     st.integers(0, 10),
     st.integers(0, 3),
+    st.sampled_from([0.0, 0.5, 1.0]),
+    st.booleans(),
 )
 
 

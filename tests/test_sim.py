@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gyre.elastic import calibration
 from gyre.elastic.costs import CellMemory, kv_bytes_per_token
 from gyre.elastic.policy import TRAIN, PolicyParams
-from gyre.elastic.sim import CostModel, Simulator, simulate
+from gyre.elastic.sim import CostModel, Simulator, Switched, simulate
 from gyre.elastic.workload import Call, Execution, WorkloadSpec, generate, read_trace, write_trace
 
 COST = CostModel(
@@ -323,8 +323,7 @@ def test_mixed_chunked_prefill_runs_alongside_decode():
 def run_until(sim, t):
     sim._decide()
     while sim.events and sim.events[0][0] < t:
-        sim.t, _, kind, args = __import__("heapq").heappop(sim.events)
-        getattr(sim, "_on_" + kind)(*args)
+        sim._pop()
 
 
 @pytest.mark.parametrize("migrate", [True, False])
@@ -338,7 +337,7 @@ def test_a_cell_leaving_rollout_hands_over_its_idle_contexts(migrate):
     assert [len(c.idle) for c in sim.cells] == [2, 2]
     sim._switch(sim.cells[1], TRAIN)
     moved = 2 * (P + C)
-    switch_end = max(e[0] for e in sim.events if e[2] == "switch")
+    switch_end = max(e[0] for e in sim.events if isinstance(e[2], Switched))
     extra = moved * cost.kv_bytes_per_token / cost.link_bytes_per_s if migrate else 0.0
     assert switch_end == pytest.approx(sim.t + 1.0 + extra)
     r = sim.run()  # colocate brings the cell back; nothing is lost

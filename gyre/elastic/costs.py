@@ -41,6 +41,8 @@ class CostModel:
     kv_bytes_per_token: float = 0.0  # KV bytes of one token (what a migration moves)
     link_bytes_per_s: float = 0.0  # one cell's bandwidth to another (KV migration)
     handover_migrate: bool = False  # memory model: hand resident contexts over by KV migration
+    # memory model: admit an execution only while its context can stay resident (no eviction)
+    resident_admission: bool = False
     mixed_chunk: int = 0  # > 0: prefill in chunks of this many tokens alongside decode steps
     prefill_per_ctx_token_s: float = 0.0  # attention: per new token per context token before it
     train_per_ctx_token_s: float = 0.0  # attention in training: per token per context token
@@ -100,10 +102,12 @@ class CostModel:
         """Seconds from a step's last gradient to its published weights (optimizer + I/O)."""
         return self.optimizer_s + self.publish_s + self.checkpoint_s
 
-    def train_tokens_per_s(self) -> float:
-        """Tokens one cell trains per second in full micro-batches (inf if training is free)."""
-        mb_s = self.microbatch_s + self.microbatch_tokens * self.train_per_token_s
-        return self.microbatch_tokens / mb_s if mb_s > 0 else float("inf")
+    def train_tokens_per_s(self, mean_ctx: float = 0.0) -> float:
+        """Tokens one cell trains per second in full micro-batches whose tokens sit at a mean
+        context of ``mean_ctx`` tokens (the attention term; inf if training is free)."""
+        mb = self.microbatch_tokens
+        mb_s = self.train_s(mb, mb * mean_ctx)
+        return mb / mb_s if mb_s > 0 else float("inf")
 
     def replicated(self, m: int) -> CostModel:
         """Each simulated execution stands for m identical ones: per-request costs x m.

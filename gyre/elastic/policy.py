@@ -1,4 +1,4 @@
-"""Allocation policies: pure functions of a load snapshot (DESIGN.md, "Scheduler policies").
+"""Allocation policies: pure functions of a load snapshot (docs/policies.md).
 
 The controller and the simulator build a :class:`LoadSnapshot` at every decision point (an
 execution ends, the train queue drains, an optimizer step lands, a switch completes) and call
@@ -33,6 +33,11 @@ class LoadSnapshot:
     step: index of the next step whose batch is not yet dispatched.
     weight_version: optimizer steps completed (the newest published weights).
     total_steps / next_batch: steps in the run, executions the next dispatch adds.
+    trainable_tokens: tokens a train cell could take now and none has taken: the oldest
+      step's full micro-batches queued, or everything it has queued once its rollout is done
+      (micro-batches in flight excluded).
+    rolled_out: every execution of the oldest untrained step has ended, so its remaining
+      tokens gate its optimizer step (and, through the staleness bound, the next dispatch).
     """
 
     roles: tuple[str, ...]
@@ -49,6 +54,8 @@ class LoadSnapshot:
     weight_version: int = 0
     total_steps: int = 1
     next_batch: int = 0
+    trainable_tokens: float = 0.0
+    rolled_out: bool = False
 
     def __post_init__(self):
         k = len(self.roles)
@@ -61,6 +68,10 @@ class LoadSnapshot:
                 )
         if any(r not in (ROLLOUT, TRAIN) for r in self.roles):
             raise ValueError(f"LoadSnapshot.roles must be 'rollout' or 'train', got {self.roles}")
+        if not self.trainable_tokens >= 0:
+            raise ValueError(
+                f"LoadSnapshot.trainable_tokens must be >= 0, got {self.trainable_tokens}"
+            )
         if not 0 <= self.finished <= self.started <= self.dispatched:
             raise ValueError(
                 f"LoadSnapshot counters must satisfy 0 <= finished ({self.finished}) <= started "
@@ -77,6 +88,11 @@ class LoadSnapshot:
         return self.dispatched - self.finished
 
     @property
+    def running(self) -> int:
+        """Executions admitted and not yet finished (their contexts hold KV)."""
+        return self.started - self.finished
+
+    @property
     def staleness(self) -> int:
         """Version lag a batch dispatched now would carry: step - weight_version."""
         return self.step - self.weight_version
@@ -86,11 +102,20 @@ class LoadSnapshot:
 class PolicyParams:
     """async_rollout_cells: the fixed async split (0 = half); max_staleness: bound on
     step - weight_version at dispatch (colocate always uses 0); slack_cells: spare rollout
-    cells the waterlevel keeps beyond the outstanding work."""
+    cells the elastic policies keep beyond the work they size rollout by; leave_round_trips:
+    elastic: a cell leaves rollout only for trainable work that keeps every train cell busy
+    for this many switch round trips (rollout -> train -> rollout)."""
 
     async_rollout_cells: int = 0
     max_staleness: int = 1
     slack_cells: int = 1
+    leave_round_trips: float = 3.0
+
+    def __post_init__(self):
+        if not self.leave_round_trips >= 0:
+            raise ValueError(
+                f"PolicyParams.leave_round_trips must be >= 0, got {self.leave_round_trips}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +165,8 @@ def _capacity(snap: LoadSnapshot, cells) -> float:
     return sum(snap.rollout_capacity[i] for i in cells)
 
 
-def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
-    """Waterlevel rule.
+def elastic_memory(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """Waterlevel rule sized by memory (the previous ``elastic``, kept as an ablation).
 
     demand = outstanding executions (+ the next batch if it may be dispatched now).
     Leave: rollout cells in the order core first, then fewest live requests; one leaves while
@@ -199,4 +224,73 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     return Allocation(tuple(roles), reason, dispatch)
 
 
-POLICIES = {"colocate": colocate, "async": async_split, "elastic": elastic}
+def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """Throughput rule: every cell decodes unless trainable work claims it.
+
+    Leave: rollout cells in the order core first, then fewest live requests, leave while the
+    trainable tokens keep every train cell (this one included) busy for more than
+    ``leave_round_trips`` switch round trips, ``trainable / sum(train throughput) > L *
+    (r2t + t2r)``; once the oldest step has rolled out its tokens gate the optimizer step, so
+    one round trip suffices and one cell always trains them. Memory binds too: the rollout
+    cells left behind must hold the running executions' contexts plus ``slack_cells`` of
+    capacity (while there is demand).
+    Return: with nothing trainable left to take and rollout demand (outstanding executions or
+    a batch that may be dispatched), every train cell returns (one mid micro-batch finishes
+    it first). Demand never lacks a rollout cell, and queued tokens with no demand left never
+    lack a train cell.
+    """
+    k = snap.num_cells
+    dispatch = _may_dispatch(snap, params.max_staleness)
+    demand = snap.outstanding + (snap.next_batch if dispatch else 0)
+    slack = params.slack_cells * max(snap.rollout_capacity)
+    roles = list(snap.roles)
+    rollout = [i for i in range(k) if roles[i] == ROLLOUT]
+    work = snap.trainable_tokens
+    round_trip = snap.switch_r2t_s + snap.switch_t2r_s
+    # Work that gates the optimizer step (the oldest step has rolled out) needs only to repay
+    # one round trip per cell.
+    need_s = round_trip * (1.0 if snap.rolled_out else params.leave_round_trips)
+    # Contexts that must stay resident: the running executions, or those a dispatch adds.
+    hold = min(demand, max(snap.running, 1)) if demand else 0
+
+    def holds(cells) -> bool:
+        return hold == 0 or _capacity(snap, cells) - slack >= hold
+
+    moved_out, moved_in = [], []
+    train_tp = sum(snap.train_throughput[i] for i in range(k) if roles[i] == TRAIN)
+    if work > 0:
+        order = sorted(rollout, key=lambda i: (i != 0, snap.live_requests[i], i))
+        for i in order:
+            rest = [j for j in rollout if j != i]
+            busy_s = work / (train_tp + snap.train_throughput[i])
+            first = snap.rolled_out and train_tp == 0  # the optimizer step waits on it
+            if not first and (busy_s <= need_s or not holds(rest)):
+                continue
+            roles[i], rollout, train_tp = TRAIN, rest, train_tp + snap.train_throughput[i]
+            moved_out.append(i)
+    elif demand > 0:
+        for i in sorted((i for i in range(k) if roles[i] == TRAIN), reverse=True):
+            roles[i] = ROLLOUT
+            rollout.append(i)
+            moved_in.append(i)
+    if demand > 0 and not rollout:
+        roles[k - 1] = ROLLOUT
+        moved_in.append(k - 1)
+    if snap.train_queue_tokens > 0 and demand == 0 and TRAIN not in roles:
+        # Nothing else will ever drain the queue, whatever the switch costs.
+        roles[0] = TRAIN
+        moved_out.append(0)
+    reason = f"demand {demand}, trainable {work:.0f} tokens"
+    if moved_out:
+        reason += f"; cells {moved_out} leave rollout"
+    if moved_in:
+        reason += f"; cells {moved_in} return to rollout"
+    return Allocation(tuple(roles), reason, dispatch)
+
+
+POLICIES = {
+    "colocate": colocate,
+    "async": async_split,
+    "elastic": elastic,
+    "elastic_memory": elastic_memory,
+}

@@ -1,5 +1,9 @@
 """Discrete-event cluster simulator running the same policy functions as the controller.
 
+Structure: one event loop (:class:`Simulator`; events are small typed tuples, each type with
+one handler) and the memory model as a strategy beside it (gyre/elastic/memory.py:
+``NoMemory``, ``TokenPools``, ``EnginePools``, ``ResidentPools``), chosen by the cost model.
+
 Model (every approximation is one line here, so results can be read against it):
 - A rollout cell decodes its live requests together. One decode step takes
   ``a + k_b * batch + k_ctx * sum(context) + k_max * max(context)`` seconds (``k_max``: an
@@ -26,6 +30,11 @@ Model (every approximation is one line here, so results can be read against it):
   context on the next cell (``handover_reprefill``) and continue decoding where they were.
 - Execution timeouts are wall-clock from the execution's first admission to a cell (not its
   dispatch); a timed-out execution trains on what it made.
+- The policy's snapshot carries measured-equivalent figures, like the controller's: train
+  throughput = a running mean (weight 0.3) of the micro-batches' tokens / seconds, attention
+  included (before the first: a full micro-batch at the queued tokens' mean context);
+  trainable tokens = the oldest step's full micro-batches queued (all of its queue once its
+  rollout is done; per task group under ``pack_by_group``), in-flight ones excluded.
 
 Memory (``kv_capacity_tokens > 0``; otherwise the prefix cache is global, unlimited and free):
 - A cell holds KV for ``kv_capacity_tokens`` tokens (weights and a reserve already taken out:
@@ -48,6 +57,15 @@ Memory (``kv_capacity_tokens > 0``; otherwise the prefix cache is global, unlimi
 - The policy's rollout capacity of a cell (executions) is ``cell_capacity`` if set, else the
   KV pool / the mean expected peak context of the outstanding executions, each taken as the
   larger of its own largest context so far and the mean peak of those finished (1 if none).
+- ``resident_admission`` (``ResidentPools``, gyre/elastic/admission.py): instead of the FIFO
+  per request, an execution is admitted to a cell only while its context can stay resident
+  there: a reservation of max(its call's need, the mean peak need of the executions ended so
+  far) that grows with each call on that cell (or the call waits); calls of admitted
+  executions go first, and a cell where one waits admits no new execution; nothing is
+  evicted; a cell with nothing running whose oldest waiting call cannot grow preempts its
+  youngest execution (context dropped, counted as an eviction; it starts over as new); a
+  cell leaving rollout moves each reservation with its context (migration) to the open cell
+  with most room, or drops it (re-prefill).
 - ``engine_pool=(max_new_tokens, max_len)``: the real engine's pool rule instead
   (gyre/rollout/engine.py, proxy.py; the CPU replay of benchmarks/sim_vs_real.py --kv-limited).
   A request reserves its footprint P + min(max_new_tokens, max_len - P) - 1, an idle context
@@ -89,76 +107,65 @@ from __future__ import annotations
 import collections
 import heapq
 import math
+from typing import NamedTuple
 
 from gyre.elastic.costs import CostModel, SimResult, shared_clock  # noqa: F401 (re-exported)
+from gyre.elastic.memory import EnginePools, NoMemory, ResidentPools, TokenPools
 from gyre.elastic.policy import POLICIES, ROLLOUT, TRAIN, LoadSnapshot, PolicyParams
+from gyre.elastic.simstate import Cell, ExState, Req
 from gyre.elastic.workload import Execution
 
 DEFAULT_PARAMS = PolicyParams()
 # A request this close to its last token is done: at t ~ 1e6 s smaller time steps vanish in
 # float rounding and the decode event would fire forever at the same instant.
 _TOKEN_TOL = 1e-6
+_TPS_WEIGHT = 0.3  # the controller's running-mean weight (gyre/rl/measure.py)
+_COUNTERS = ("evictions", "reprefill_tokens", "migrated_contexts", "migrated_tokens",
+             "dropped_contexts", "moved_calls")  # fmt: skip
 
 
-class _Req:
-    __slots__ = ("ex", "call", "ctx", "prefill", "new", "remaining", "target", "cell", "dead",
-                 "need", "cached", "fresh")  # fmt: skip
+# ---- events: (time, seq, event) on one heap, each type with one handler -------------------
+class Decode(NamedTuple):
+    """The cell's next request may have made its last token (stale if ``epoch`` moved on)."""
 
-    def __init__(self, ex, call, ctx, prefill, remaining, need=0.0, cached=0.0):
-        self.ex, self.call, self.ctx, self.prefill, self.remaining = (
-            ex,
-            call,
-            ctx,
-            prefill,
-            remaining,
-        )
-        self.new = prefill  # the call's own uncached tokens, credited as work once prefilled
-        self.target, self.cell, self.dead = 0.0, None, False
-        self.need = need  # KV tokens reserved while live (memory model): prompt + completion
-        self.cached = cached  # tokens already in KV before its prefill (the attention offset)
-        self.fresh = True  # a call not yet decoding: its prefill is set where it is admitted
+    cell: int
+    epoch: int
 
 
-class _Cell:
-    __slots__ = ("i", "role", "switching", "pending_role", "active", "heap", "ctx_sum", "v",
-                 "last_t", "prefill_q", "prefilling", "epoch", "micro", "micro_ctx", "state",
-                 "since", "kv_live", "kv_idle", "idle", "loading", "load_pending", "load_seq",
-                 "pf_step_s", "pf_target")  # fmt: skip
+class Prefilled(NamedTuple):
+    """A prefill that pauses decoding is over (stale if the request left the cell)."""
 
-    def __init__(self, i, role, now):
-        self.i, self.role, self.switching, self.pending_role = i, role, False, None
-        self.active, self.heap, self.ctx_sum, self.v, self.last_t = set(), [], 0.0, 0.0, now
-        self.prefill_q, self.prefilling, self.epoch, self.micro = collections.deque(), None, 0, None
-        self.micro_ctx = 0.0
-        self.state, self.since = (role, "idle"), now
-        # Memory model: reserved by live requests, held by idle contexts (LRU, oldest first).
-        self.kv_live, self.kv_idle, self.idle = 0.0, 0.0, collections.OrderedDict()
-        self.loading, self.load_pending, self.load_seq = False, False, 0
-        self.pf_step_s, self.pf_target = 0.0, 0.0  # mixed_chunk: the running prefill's share
-
-    def load(self) -> int:
-        return len(self.active) + len(self.prefill_q) + (self.prefilling is not None)
+    cell: int
+    req: Req
 
 
-class _Stale:
-    """engine_pool: an execution's idle context left on a cell its next call did not go to."""
+class ToolDone(NamedTuple):
+    """The tool wait after a call is over: the execution issues its next call or ends."""
 
-    __slots__ = ("cell", "held", "owner")
-
-    def __init__(self, cell, held, owner):
-        self.cell, self.held, self.owner = cell, held, owner
+    es: ExState
 
 
-class _ExState:
-    __slots__ = ("ex", "start", "call", "req", "tokens", "ended", "started", "cell", "held",
-                 "tok_ctx", "peak", "home", "lost")  # fmt: skip
+class Timeout(NamedTuple):
+    es: ExState
 
-    def __init__(self, ex, start):
-        self.ex, self.start, self.call, self.req = ex, start, 0, None
-        self.tokens, self.ended, self.started = 0.0, False, False
-        self.cell, self.held = None, 0.0  # memory model: the cell holding its context, tokens
-        self.tok_ctx, self.peak = 0.0, 0.0  # sum of its tokens' contexts; largest reservation
-        self.home, self.lost = None, set()  # engine_pool: last cell served; cells that evicted it
+
+class Switched(NamedTuple):
+    cell: int
+
+
+class MicroDone(NamedTuple):
+    cell: int
+
+
+class OptDone(NamedTuple):
+    """The optimizer step is published: weight_version += 1."""
+
+
+class Loaded(NamedTuple):
+    """A rollout cell finished loading new weights (stale unless ``seq`` is its latest)."""
+
+    cell: int
+    seq: int
 
 
 class Simulator:
@@ -179,25 +186,13 @@ class Simulator:
             raise ValueError(
                 f"need num_cells >= 1 and non-empty step batches, got {num_cells} cells"
             )
-        self.mem, self.mixed = cost.memory, cost.mixed_chunk > 0
-        if not self.mem and cost.slots < 1:
-            raise ValueError("slots must be >= 1 without a memory model (kv_capacity_tokens 0)")
         if cost.handover_migrate and not (
-            self.mem and cost.link_bytes_per_s > 0 and cost.kv_bytes_per_token > 0
+            cost.memory and cost.link_bytes_per_s > 0 and cost.kv_bytes_per_token > 0
         ):
             raise ValueError(
                 "handover_migrate needs kv_capacity_tokens, kv_bytes_per_token and "
                 "link_bytes_per_s > 0"
             )
-        self.engine = engine_pool if self.mem else None
-        self.recent: collections.deque = collections.deque(maxlen=4 * max(cost.slots, 1))
-        if self.mem:
-            need = max(self._need(c) for b in steps for ex in b for c in ex.calls)
-            if need > cost.kv_capacity_tokens:
-                raise ValueError(
-                    f"a call needs {need} KV tokens but a cell holds "
-                    f"{cost.kv_capacity_tokens:.0f} (kv_capacity_tokens): it could never run"
-                )
         self.steps, self.k, self.name, self.cost, self.params = (
             steps,
             num_cells,
@@ -205,9 +200,31 @@ class Simulator:
             cost,
             params,
         )
+        self.mixed = cost.mixed_chunk > 0
+        if not cost.memory:
+            self.memory = NoMemory(self)
+        elif engine_pool is not None:
+            if cost.resident_admission:
+                raise ValueError("resident_admission is not modelled with engine_pool")
+            self.memory = EnginePools(self, engine_pool)
+        elif cost.resident_admission:
+            self.memory = ResidentPools(self)
+        else:
+            self.memory = TokenPools(self)
+        self.memory.check(steps)
         self.policy = POLICIES[policy]
         self.t, self.events, self.seq = 0.0, [], 0
-        self.cells = [_Cell(i, ROLLOUT, 0.0) for i in range(num_cells)]
+        self.handlers = {
+            Decode: self._on_decode,
+            Prefilled: self._on_prefill,
+            ToolDone: self._on_tool,
+            Timeout: self._on_timeout,
+            Switched: self._on_switch,
+            MicroDone: self._on_micro,
+            OptDone: self._on_opt,
+            Loaded: self._on_loaded,
+        }
+        self.cells = [Cell(i, ROLLOUT, 0.0) for i in range(num_cells)]
         self.pending: collections.deque = collections.deque()
         self.queue, self.inflight = collections.defaultdict(float), collections.defaultdict(float)
         self.queue_ctx = collections.defaultdict(float)  # summed contexts of the queued tokens
@@ -227,24 +244,23 @@ class Simulator:
         self.group_ctx = collections.defaultdict(float)
         self.micro_sizes = collections.defaultdict(collections.deque)  # pack_by_group only
         self.counters = collections.Counter()
-        self.peak_sum, self.peak_n = 0.0, 0
         self.open_es: set = set()  # dispatched executions not yet ended
-        self.all_es: list = []  # engine_pool: every dispatched execution (eviction records)
         self.decode_time = self.batch_time = 0.0
-        self.kv_tol = 1e-9 * max(cost.kv_capacity_tokens, 1.0)
+        self.train_tps: float | None = None  # measured tokens/s per train cell
 
     def _need(self, call) -> float:
-        """KV tokens a call reserves while live: the engine's footprint under engine_pool."""
-        if self.engine is None:
-            return call.prompt_tokens + call.completion_tokens
-        max_new, max_len = self.engine
-        p = call.prompt_tokens
-        return p + min(max_new, max_len - p) - 1
+        """KV tokens a call reserves while live (the engine's footprint under engine_pool)."""
+        return self.memory.need(call)
 
     # ---- event plumbing -------------------------------------------------------------------
-    def _push(self, at: float, kind: str, *args) -> None:
-        heapq.heappush(self.events, (at, self.seq, kind, args))
+    def _push(self, at: float, event) -> None:
+        heapq.heappush(self.events, (at, self.seq, event))
         self.seq += 1
+
+    def _pop(self) -> None:
+        """Advances the clock to the next event and handles it."""
+        self.t, _, event = heapq.heappop(self.events)
+        self.handlers[type(event)](event)
 
     def run(self) -> SimResult:
         self._decide()
@@ -254,24 +270,13 @@ class Simulator:
                     f"simulator stalled at t={self.t:.1f}s under policy {self.name!r}: version "
                     f"{self.version}, roles {[c.role for c in self.cells]}, {len(self.pending)} waiting"
                 )
-            self.t, _, kind, args = heapq.heappop(self.events)
-            getattr(self, "_on_" + kind)(*args)
+            self._pop()
         for c in self.cells:
             self._record(c, force=True)
         longest = max(self._fastest(ex) for batch in self.steps for ex in batch)
         if self.cost.shared_cores:
             self._share_cores()
-        counters = {
-            k: float(self.counters[k])
-            for k in (
-                "evictions",
-                "reprefill_tokens",
-                "migrated_contexts",
-                "migrated_tokens",
-                "dropped_contexts",
-                "moved_calls",
-            )  # fmt: skip
-        }
+        counters = {k: float(self.counters[k]) for k in _COUNTERS}
         counters["mean_decode_batch"] = (
             self.batch_time / self.decode_time if self.decode_time else 0.0
         )
@@ -315,7 +320,7 @@ class Simulator:
         d = sum(call_s(call) for call in ex.calls)
         return min(d, ex.timeout_s)
 
-    def _record(self, c: _Cell, force: bool = False) -> None:
+    def _record(self, c: Cell, force: bool = False) -> None:
         if c.switching:
             state = "switch"
         elif c.role == ROLLOUT:
@@ -332,41 +337,53 @@ class Simulator:
     # ---- policy --------------------------------------------------------------------------
     def _capacity(self) -> float:
         """Executions a rollout cell counts as holding, for the policy (see the docstring)."""
-        cost = self.cost
-        if cost.cell_capacity > 0:
-            return cost.cell_capacity
-        if not self.mem:
-            return cost.slots
-        if self.engine is not None:  # the engine's capacity_contexts
-            if not self.recent:
-                return float(cost.slots)
-            cap = cost.kv_capacity_tokens * len(self.recent) / sum(self.recent)
-            return min(float(cost.slots), cap) if cost.slots > 0 else cap
-        prior = self.peak_sum / self.peak_n if self.peak_n else 0.0
-        sizes = [max(es.peak, prior) for es in self.open_es]
-        sizes = [x for x in sizes if x > 0] or [prior]
-        est = sum(sizes) / len(sizes)
-        cap = cost.kv_capacity_tokens / est if est > 0 else 1.0
-        return min(cap, cost.slots) if cost.slots > 0 else cap
+        if self.cost.cell_capacity > 0:
+            return self.cost.cell_capacity
+        return self.memory.capacity()
 
     def _snapshot(self) -> LoadSnapshot:
-        cost, s = self.cost, self.next_step
+        cost, s, v = self.cost, self.next_step, self.version
+        trainable, rolled_out = self._trainable()
         return LoadSnapshot(
             roles=tuple(c.role for c in self.cells),
             dispatched=self.dispatched,
             started=self.started,
             finished=self.finished,
             live_requests=tuple(c.load() for c in self.cells),
-            train_queue_tokens=self.queue[self.version] + self.inflight[self.version],
+            train_queue_tokens=self.queue[v] + self.inflight[v],
             rollout_capacity=(self._capacity(),) * self.k,
-            train_throughput=(cost.train_tokens_per_s(),) * self.k,
+            train_throughput=(self._train_tps(),) * self.k,
             switch_r2t_s=cost.switch_r2t_s,
             switch_t2r_s=cost.switch_t2r_s,
             step=s,
             weight_version=self.version,
             total_steps=len(self.steps),
             next_batch=len(self.steps[s]) if s < len(self.steps) else 0,
+            trainable_tokens=trainable,
+            rolled_out=rolled_out,
         )
+
+    def _trainable(self) -> tuple[float, bool]:
+        """(tokens of the oldest step a train cell could take now, its rollout is done)."""
+        v = self.version
+        if v >= len(self.steps):
+            return 0.0, False
+        rolled_out = self.done_per_step[v] == len(self.steps[v])
+        if self.cost.pack_by_group:
+            return float(sum(self.micro_sizes[v])), rolled_out
+        q, size = self.queue[v], self.cost.microbatch_tokens
+        if rolled_out or q <= 1e-6:
+            return max(q, 0.0), rolled_out
+        return math.floor(q / size + 1e-9) * size, rolled_out
+
+    def _train_tps(self) -> float:
+        """Tokens/s a cell trains, as the controller measures it: a running mean (weight
+        0.3) over the micro-batches trained, attention included; before the first, a full
+        micro-batch at the mean context of the tokens queued."""
+        if self.train_tps is not None:
+            return self.train_tps
+        q = self.queue[self.version]
+        return self.cost.train_tokens_per_s(self.queue_ctx[self.version] / q if q > 0 else 0.0)
 
     def _decide(self) -> None:
         for _ in range(len(self.steps) + 2):
@@ -386,44 +403,44 @@ class Simulator:
                 return
             self._dispatch()
 
-    def _switch(self, c: _Cell, role: str) -> None:
-        extra = self._handover(c) if c.role == ROLLOUT else 0.0
+    def _switch(self, c: Cell, role: str) -> None:
+        extra = self.memory.handover(c) if c.role == ROLLOUT else 0.0
         c.role, c.switching, c.pending_role = role, True, None
         self.switches += 1
         self._push(
             self.t + (self.cost.switch_r2t_s if role == TRAIN else self.cost.switch_t2r_s) + extra,
-            "switch",
-            c.i,
+            Switched(c.i),
         )
         self._record(c)
-        if self.mem:
-            self._fill_all()
+        self.memory.after_switch()
 
-    def _on_switch(self, i: int) -> None:
-        c = self.cells[i]
+    def _on_switch(self, ev: Switched) -> None:
+        c = self.cells[ev.cell]
         c.switching = False
         c.last_t = self.t
         self._record(c)
         if c.pending_role is not None and c.pending_role != c.role:
             self._switch(c, c.pending_role)
         elif c.role == ROLLOUT:
-            self._fill(c)
+            self.memory.fill(c)
         else:
             self._try_train()
         self._decide()
 
     def _dispatch(self) -> None:
         for ex in self.steps[self.next_step]:
-            es = _ExState(ex, self.t)
-            if self.engine is not None:
-                self.all_es.append(es)
+            es = ExState(ex, self.t)
+            self.memory.dispatched(es)
             self.dispatched += 1
             self.open_es.add(es)
-            self._on_tool(es)  # its timeout starts when its first call is admitted
+            self._next_call(es)  # its timeout starts when its first call is admitted
         self.next_step += 1
 
     # ---- rollout -------------------------------------------------------------------------
-    def _on_tool(self, es: _ExState) -> None:
+    def _on_tool(self, ev: ToolDone) -> None:
+        self._next_call(ev.es)
+
+    def _next_call(self, es: ExState) -> None:
         """The previous call's tool wait is over: issue the next call or end the execution."""
         if es.ended:
             return
@@ -432,202 +449,28 @@ class Simulator:
             return
         call = es.ex.calls[es.call]
         chunked = self.cost.prefill_chunk > 0  # the engine always prefills >= 1 token
-        req = _Req(
+        req = Req(
             es,
             es.call,
             call.prompt_tokens + call.completion_tokens / 2,
             max(call.new_prompt_tokens, 1) if chunked else call.new_prompt_tokens,
             float(call.completion_tokens),
-            need=self._need(call),
+            need=self.memory.need(call),
             cached=call.prompt_tokens - call.new_prompt_tokens,
         )
         req.new = call.new_prompt_tokens
         es.req = req
-        self._route(req)
+        self.memory.route(req)
 
-    def _route(self, req: _Req) -> None:
-        if self.mem:  # FIFO: behind whatever waits already
-            self.pending.append(req)
-            self._fill_all()
-            return
-        best = None
-        for c in self.cells:
-            if c.role == ROLLOUT and not c.switching and c.load() < self.cost.slots:
-                if best is None or c.load() < best.load():
-                    best = c
-        if best is None:
-            req.cell = None
-            self.pending.append(req)
-        else:
-            self._admit(best, req)
-
-    def _fill(self, c: _Cell) -> None:
-        if self.mem:
-            self._fill_all()
-            return
-        while self.pending and c.role == ROLLOUT and not c.switching and c.load() < self.cost.slots:
-            req = self.pending.popleft()
-            if not req.dead:
-                self._admit(c, req)
-
-    # ---- memory model --------------------------------------------------------------------
-    def _open(self, c: _Cell) -> bool:
-        slots = self.cost.slots
-        return c.role == ROLLOUT and not c.switching and (slots <= 0 or c.load() < slots)
-
-    def _fits(self, c: _Cell, need: float, evict: bool = True) -> bool:
-        used = c.kv_live + (0.0 if evict else c.kv_idle)
-        return used + need <= self.cost.kv_capacity_tokens + self.kv_tol
-
-    def _most_room(self, need: float, exclude=None, live: bool = True):
-        """The cell a request (``live``) or an idle context goes to: fits (without evicting,
-        for an idle one) and has most room, one that needs no eviction first; or None."""
-        best, best_key = None, None
-        for c in self.cells:
-            if c is exclude or not (
-                self._open(c) if live else c.role == ROLLOUT and not c.switching
-            ):
-                continue
-            if not self._fits(c, need, evict=live):
-                continue
-            key = (
-                self._fits(c, need, evict=False),
-                -c.kv_live - (0.0 if live else c.kv_idle),
-                -c.i,
-            )
-            if best_key is None or key > best_key:
-                best, best_key = c, key
-        return best
-
-    def _pick(self, req: _Req):
-        if self.engine is not None:  # proxy._pick: affinity, then free slots, room, index
-            home = req.ex.home
-            if home is not None and self._open(home) and self._fits(home, req.need):
-                return home
-            ok = [c for c in self.cells if self._open(c) and self._fits(c, req.need)]
-            if not ok:
-                return None
-            return max(ok, key=lambda c: (self.cost.slots - c.load(), -c.kv_live, -c.i))
-        home = req.ex.cell
-        if home is not None and self._open(home) and self._fits(home, req.need):
-            return home
-        return self._most_room(req.need, exclude=home)
-
-    def _fill_all(self) -> None:
-        """Admits from the head of the global queue while the head fits somewhere."""
-        while self.pending:
-            req = self.pending[0]
-            if req.dead:
-                self.pending.popleft()
-                continue
-            c = self._pick(req)
-            if c is None:
-                return
-            self.pending.popleft()
-            self._admit(c, req)
-
-    def _forget(self, es: _ExState) -> None:
-        """Drops the execution's idle context from its cell."""
-        c = es.cell
-        if c is not None and es in c.idle:
-            c.kv_idle -= c.idle.pop(es)
-        es.cell, es.held = None, 0.0
-
-    def _evict(self, c: _Cell) -> None:
-        while c.idle and c.kv_live + c.kv_idle > self.cost.kv_capacity_tokens + self.kv_tol:
-            es, held = c.idle.popitem(last=False)
-            c.kv_idle -= held
-            es.cell, es.held = None, 0.0
-            (es if isinstance(es, _ExState) else es.owner).lost.add(c)
-            self.counters["evictions"] += 1
-
-    def _clear_idle(self) -> None:
-        """engine_pool: new weights clear every idle context (not evictions)."""
-        for c in self.cells:
-            for es in c.idle:
-                es.cell, es.held = None, 0.0
-            c.idle.clear()
-            c.kv_idle = 0.0
-        for es in self.all_es:  # and the cells' eviction records (re-prefill accounting)
-            es.lost.clear()
-
-    def _reserve(self, c: _Cell, req: _Req) -> None:
-        """Memory at admission: reuse the context if it is here, else prefill it all."""
-        es = req.ex
-        if req.fresh:
-            call = es.ex.calls[req.call]
-            reuse = call.prompt_tokens - call.new_prompt_tokens
-            req.cached = reuse if es.cell is c else 0
-            req.prefill = call.prompt_tokens - req.cached
-            if self.cost.prefill_chunk > 0:
-                req.prefill = max(req.prefill, 1)
-            if self.engine is None:
-                self.counters["reprefill_tokens"] += reuse - req.cached
-            elif c in es.lost:  # the engine's count: on a cell that evicted it, bar the last
-                es.lost.discard(c)
-                self.counters["reprefill_tokens"] += max(
-                    0, min(reuse, call.prompt_tokens - 1) - req.cached
-                )
-            if es.cell is not None and es.cell is not c:
-                self.counters["moved_calls"] += 1
-        else:  # handed over mid-call without its KV: its context so far is all re-prefilled
-            self.counters["reprefill_tokens"] += req.prefill
-        if (
-            self.engine is not None
-            and es.cell is not None
-            and es.cell is not c
-            and es in es.cell.idle
-        ):
-            old = es.cell  # the engine leaves the context where it was, idle, until evicted
-            stale = _Stale(old, es.held, es)
-            old.idle = collections.OrderedDict(
-                (stale if k is es else k, v) for k, v in old.idle.items()
-            )
-            es.cell, es.held = None, 0.0
-        self._forget(es)
-        es.cell, es.held, es.peak = c, req.need, max(es.peak, req.need)
-        es.home = c
-        if self.engine is not None:
-            self.recent.append(req.need)
-        c.kv_live += req.need
-        self._evict(c)
-
-    def _to_idle(self, c: _Cell, req: _Req) -> None:
-        """A call finished: its context stays resident, idle, most recently used."""
-        es = req.ex
-        c.kv_live -= req.need
-        held = req.need
-        if self.engine is not None:  # the slot's cached length: the last token is not fed back
-            call = es.ex.calls[req.call]
-            held = call.prompt_tokens + call.completion_tokens - 1
-        c.idle[es] = held
-        c.kv_idle += held
-        es.cell, es.held = c, held
-
-    def _hand_idle(self, es: _ExState, held: float, src: _Cell) -> float:
-        """Hands an idle context over (migration, where it fits) -> tokens moved."""
-        es.cell, es.held = None, 0.0
-        dst = self._most_room(held, exclude=src, live=False) if self.cost.handover_migrate else None
-        if dst is None:
-            self.counters["dropped_contexts"] += 1
-            return 0.0
-        dst.idle[es] = held
-        dst.kv_idle += held
-        es.cell, es.held = dst, held
-        self.counters["migrated_contexts"] += 1
-        self.counters["migrated_tokens"] += held
-        return held
-
-    # ---- a rollout cell's progress -------------------------------------------------------
-    def _admit(self, c: _Cell, req: _Req) -> None:
+    def _admit(self, c: Cell, req: Req) -> None:
+        """Places an admitted request on cell ``c`` (the memory model chose the cell)."""
         req.cell = c
         es = req.ex
         if not es.started:
             es.started, es.start = True, self.t
             self.started += 1
-            self._push(self.t + es.ex.timeout_s, "timeout", es)
-        if self.mem:
-            self._reserve(c, req)
+            self._push(self.t + es.ex.timeout_s, Timeout(es))
+        self.memory.admitted(c, req)
         if req.prefill > 0:
             c.prefill_q.append(req)
             if c.prefilling is None and not c.loading:
@@ -637,7 +480,7 @@ class Simulator:
             self._join(c, req)
         self._record(c)
 
-    def _step_s(self, c: _Cell) -> float:
+    def _step_s(self, c: Cell) -> float:
         """Seconds of one engine step on the cell now; 0 while nothing decodes."""
         if c.loading or (c.prefilling is not None and not self.mixed):
             return 0.0
@@ -649,7 +492,7 @@ class Simulator:
             step = self.cost.decode_step_s(len(c.active), c.ctx_sum)
         return step + (c.pf_step_s if c.prefilling is not None else 0.0)
 
-    def _advance(self, c: _Cell) -> None:
+    def _advance(self, c: Cell) -> None:
         step = self._step_s(c)
         dt = self.t - c.last_t
         if step > 0 and dt > 0:
@@ -659,7 +502,7 @@ class Simulator:
                 self.batch_time += len(c.active) * dt
         c.last_t = self.t
 
-    def _reschedule(self, c: _Cell) -> None:
+    def _reschedule(self, c: Cell) -> None:
         c.epoch += 1
         step = self._step_s(c)
         if step <= 0:
@@ -669,15 +512,15 @@ class Simulator:
         nxt = c.heap[0][0] if c.heap else math.inf
         if c.prefilling is not None:
             nxt = min(nxt, c.pf_target)
-        self._push(self.t + max(nxt - c.v, 0.0) * step, "decode", c.i, c.epoch)
+        self._push(self.t + max(nxt - c.v, 0.0) * step, Decode(c.i, c.epoch))
 
-    def _start_prefill(self, c: _Cell) -> None:
+    def _start_prefill(self, c: Cell) -> None:
         self._advance(c)
         req = c.prefilling = c.prefill_q.popleft()
         seconds = self.cost.prefill_s(req.prefill, req.cached)
         if not self.mixed:
             c.epoch += 1  # decoding pauses while the prefill runs
-            self._push(self.t + seconds, "prefill", c.i, req)
+            self._push(self.t + seconds, Prefilled(c.i, req))
             return
         if seconds <= 0:
             self._finish_prefill(c)
@@ -686,13 +529,22 @@ class Simulator:
         c.pf_step_s, c.pf_target = seconds / chunks, c.v + chunks
         self._reschedule(c)
 
-    def _on_prefill(self, i: int, req: _Req) -> None:
-        c = self.cells[i]
-        if c.prefilling is not req:
+    def _on_prefill(self, ev: Prefilled) -> None:
+        c = self.cells[ev.cell]
+        if c.prefilling is not ev.req:
             return  # handed over or cancelled meanwhile
         self._finish_prefill(c)
 
-    def _finish_prefill(self, c: _Cell) -> None:
+    def _next_prefill(self, c: Cell) -> None:
+        """The cell's prefill slot is free: load pending weights, or start the next prefill."""
+        if c.load_pending:
+            self._start_load(c)
+        elif c.prefill_q and not c.loading:
+            self._start_prefill(c)
+        else:
+            self._reschedule(c)
+
+    def _finish_prefill(self, c: Cell) -> None:
         self._advance(c)
         req = c.prefilling
         c.prefilling, c.pf_step_s = None, 0.0
@@ -719,7 +571,7 @@ class Simulator:
             self._start_prefill(c)
         self._record(c)
 
-    def _join(self, c: _Cell, req: _Req) -> None:
+    def _join(self, c: Cell, req: Req) -> None:
         self._advance(c)
         c.active.add(req)
         c.ctx_sum += req.ctx
@@ -728,7 +580,7 @@ class Simulator:
         self.seq += 1
         self._reschedule(c)
 
-    def _detach(self, c: _Cell, req: _Req) -> None:
+    def _detach(self, c: Cell, req: Req) -> None:
         """Removes a decoding request, crediting the tokens it produced so far."""
         self._advance(c)
         left = max(req.target - c.v, 0.0)
@@ -742,9 +594,9 @@ class Simulator:
         if not c.active:
             c.ctx_sum = 0.0  # no float drift across many joins and leaves
 
-    def _on_decode(self, i: int, epoch: int) -> None:
-        c = self.cells[i]
-        if epoch != c.epoch:
+    def _on_decode(self, ev: Decode) -> None:
+        c = self.cells[ev.cell]
+        if ev.epoch != c.epoch:
             return
         self._advance(c)
         if self.mixed and c.prefilling is not None and c.v >= c.pf_target - _TOKEN_TOL:
@@ -753,17 +605,16 @@ class Simulator:
             _, _, req = heapq.heappop(c.heap)
             if req in c.active and req.target <= c.v + _TOKEN_TOL:
                 self._detach(c, req)
-                if self.mem:
-                    self._to_idle(c, req)
+                self.memory.call_done(c, req)
                 es = req.ex
                 es.req, es.call = None, es.call + 1
-                self._push(self.t + es.ex.calls[req.call].tool_latency_s, "tool", es)
+                self._push(self.t + es.ex.calls[req.call].tool_latency_s, ToolDone(es))
         self._reschedule(c)
-        self._fill(c)
+        self.memory.fill(c)
         self._record(c)
 
     # ---- new weights ---------------------------------------------------------------------
-    def _start_load(self, c: _Cell) -> None:
+    def _start_load(self, c: Cell) -> None:
         if c.prefilling is not None and not self.mixed:
             c.load_pending = True  # after the running prefill (an engine step boundary)
             return
@@ -771,12 +622,12 @@ class Simulator:
         c.load_pending, c.loading = False, True
         c.load_seq += 1
         c.epoch += 1
-        self._push(self.t + self.cost.weight_load_s, "loaded", c.i, c.load_seq)
+        self._push(self.t + self.cost.weight_load_s, Loaded(c.i, c.load_seq))
         self._record(c)
 
-    def _on_loaded(self, i: int, seq: int) -> None:
-        c = self.cells[i]
-        if seq != c.load_seq or not c.loading:
+    def _on_loaded(self, ev: Loaded) -> None:
+        c = self.cells[ev.cell]
+        if ev.seq != c.load_seq or not c.loading:
             return
         c.loading, c.last_t = False, self.t
         if c.prefilling is None and c.prefill_q:
@@ -785,81 +636,17 @@ class Simulator:
             self._reschedule(c)
         self._record(c)
 
-    # ---- hand-over -----------------------------------------------------------------------
-    def _clear(self, c: _Cell) -> None:
+    def _clear(self, c: Cell) -> None:
+        """Empties a cell leaving rollout (the memory model has handed its requests over)."""
         c.active, c.heap, c.ctx_sum, c.prefilling, c.pf_step_s = set(), [], 0.0, None, 0.0
         c.prefill_q.clear()
         c.loading = c.load_pending = False
         c.load_seq += 1
         c.epoch += 1
 
-    def _handover(self, c: _Cell) -> float:
-        """The cell leaves rollout: live requests go back to the front of the global queue
-        (memory model: resident contexts are handed over too) -> extra switch seconds."""
-        if self.mem:
-            return self._handover_memory(c)
-        moved = []
-        for req in sorted(c.active, key=lambda r: r.target):
-            self._detach(c, req)
-            if self.cost.handover_reprefill:
-                call = req.ex.ex.calls[req.call]
-                req.prefill = call.prompt_tokens + call.completion_tokens - req.remaining
-                req.cached = 0.0
-            moved.append(req)
-        if c.prefilling is not None:
-            moved.append(c.prefilling)
-        moved.extend(c.prefill_q)
-        self._clear(c)
-        for req in reversed(moved):
-            req.cell = None
-            self.pending.appendleft(req)
-        for other in sorted(self.cells, key=lambda o: o.load()):
-            if other is not c:
-                self._fill(other)
-        return 0.0
-
-    def _handover_memory(self, c: _Cell) -> float:
-        migrate, moved_tokens, requeue = self.cost.handover_migrate, 0.0, []
-        self._advance(c)
-        for req in sorted(c.active, key=lambda r: r.target):  # decoding: move mid-call
-            self._detach(c, req)
-            es, call = req.ex, req.ex.ex.calls[req.call]
-            so_far = call.prompt_tokens + call.completion_tokens - req.remaining
-            c.kv_live -= req.need
-            es.cell, es.held = None, 0.0
-            dst = self._most_room(req.need, exclude=c) if migrate else None
-            if dst is None:
-                req.prefill, req.cached, req.fresh = so_far, 0.0, False
-                requeue.append(req)
-                continue
-            dst.kv_live += req.need
-            es.cell, es.held = dst, req.need
-            self._evict(dst)
-            req.cell = dst
-            self._join(dst, req)
-            self._record(dst)
-            moved_tokens += so_far
-            self.counters["migrated_contexts"] += 1
-            self.counters["migrated_tokens"] += so_far
-        waiting = ([c.prefilling] if c.prefilling is not None else []) + list(c.prefill_q)
-        for req in waiting:  # admitted, not decoding yet: back to the queue, context handed over
-            c.kv_live -= req.need
-            req.ex.cell, req.ex.held = None, 0.0
-            if req.fresh and req.cached > 0:
-                moved_tokens += self._hand_idle(req.ex, req.cached, c)
-            requeue.append(req)
-        for es, held in reversed(list(c.idle.items())):  # idle, most recently used first
-            moved_tokens += self._hand_idle(es, held, c)
-        c.idle.clear()
-        c.kv_live = c.kv_idle = 0.0
-        self._clear(c)
-        for req in reversed(requeue):
-            req.cell = None
-            self.pending.appendleft(req)
-        return self.cost.migrate_s(moved_tokens) if migrate else 0.0
-
     # ---- execution end -------------------------------------------------------------------
-    def _on_timeout(self, es: _ExState) -> None:
+    def _on_timeout(self, ev: Timeout) -> None:
+        es = ev.es
         if es.ended:
             return
         req = es.req
@@ -873,30 +660,18 @@ class Simulator:
             elif c.prefilling is req:
                 self._advance(c)
                 c.prefilling, c.pf_step_s = None, 0.0
-                if c.load_pending:
-                    self._start_load(c)
-                elif c.prefill_q and not c.loading:
-                    self._start_prefill(c)
-                else:
-                    self._reschedule(c)
+                self._next_prefill(c)
             else:
                 c.prefill_q.remove(req)
             if c is not None:
-                if self.mem:
-                    c.kv_live -= req.need
-                    es.cell, es.held = None, 0.0
-                self._fill(c)
+                self.memory.dropped(c, req)
+                self.memory.fill(c)
                 self._record(c)
         self._end(es, "timeout")
 
-    def _end(self, es: _ExState, reason: str) -> None:
+    def _end(self, es: ExState, reason: str) -> None:
         es.ended, es.req = True, None
         self.open_es.discard(es)
-        if self.mem and self.engine is None:  # the engine keeps it, idle, until evicted
-            self._forget(es)
-        if es.peak > 0:
-            self.peak_sum += es.peak
-            self.peak_n += 1
         self.finished += 1
         step = es.ex.step
         self.done_per_step[step] += 1
@@ -916,8 +691,7 @@ class Simulator:
             self.queue_ctx[step] += es.tok_ctx
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
         self.end_counts[es.ex.execution_id] += 1
-        if self.mem:
-            self._fill_all()
+        self.memory.ended(es)
         self._try_train()
         self._decide()
 
@@ -946,7 +720,7 @@ class Simulator:
                 self.inflight[s] += take
                 c.micro, c.micro_ctx = take, take_ctx
                 self.step_cells[s].add(c.i)
-                self._push(self.t + self.cost.train_s(take, take_ctx), "micro", c.i)
+                self._push(self.t + self.cost.train_s(take, take_ctx), MicroDone(c.i))
                 self._record(c)
         idle = not self.micro_sizes[s] and self.inflight[s] <= 1e-6
         if rollout_done and idle and (grouped or self.queue[s] <= 1e-6):
@@ -955,12 +729,17 @@ class Simulator:
             reduce = self.cost.allreduce_s(len(self.step_cells.pop(s, ())))
             done = self.t + reduce + self.cost.step_overhead_s
             self.opt_spans.append((self.t, done))
-            self._push(done, "opt")
+            self._push(done, OptDone())
 
-    def _on_micro(self, i: int) -> None:
-        c = self.cells[i]
+    def _on_micro(self, ev: MicroDone) -> None:
+        c = self.cells[ev.cell]
         self.inflight[self.version] -= c.micro
-        self.work += self.cost.train_s(c.micro, c.micro_ctx)
+        seconds = self.cost.train_s(c.micro, c.micro_ctx)
+        self.work += seconds
+        if seconds > 0:  # the controller's running mean of measured micro-batches
+            rate = c.micro / seconds
+            old = self.train_tps
+            self.train_tps = rate if old is None else (1 - _TPS_WEIGHT) * old + _TPS_WEIGHT * rate
         c.micro, c.micro_ctx = None, 0.0
         self._record(c)
         if c.pending_role is not None and c.pending_role != c.role:
@@ -968,12 +747,11 @@ class Simulator:
         self._try_train()
         self._decide()
 
-    def _on_opt(self) -> None:
+    def _on_opt(self, ev: OptDone) -> None:
         self.opt_running = False
         self.version += 1
         self.step_end.append(self.t)
-        if self.engine is not None:
-            self._clear_idle()
+        self.memory.new_weights()
         if self.cost.weight_load_s > 0:
             for c in self.cells:
                 if c.role == ROLLOUT and not c.switching:

@@ -206,7 +206,7 @@ def _build(keys: ConfigKeys) -> Specs:
         agent=keys.pick(AgentSettings, "agent", max_new_tokens=keys["rollout.max_new_tokens"],
                         partial_scale=keys["env.partial_scale"]),  # fmt: skip
         env=env,
-        policy=keys.pick(PolicyParams, "scheduler"),
+        scheduler=keys.pick(PolicyParams, "scheduler"),
         run=keys.pick(
             RunSpec,
             "run",

@@ -39,16 +39,16 @@ class Controller:
     """Runs ``rt.specs.run.steps`` RL steps of the runtime ``rt`` (gyre/rl/builder.py),
     seeing its proxy and trainer only through their declared interfaces (gyre/rl/interfaces.py).
 
-    policy_fn: a scheduler policy (default: the configured one); timeline: the role time line;
-    after_microbatch(count): called after every gradient (tests kill the run with it);
+    scheduler_policy: shares the cells out (default: the configured one); timeline: the role
+    time line; after_microbatch(count): called after every gradient (tests kill the run with it);
     should_stop(): asked after each step, True ends the loop there; on_progress(): called
     whenever something finishes (the watchdog's beat, gyre/watchdog.py).
     """
 
-    def __init__(self, rt, policy_fn=None, timeline=None, after_microbatch=None,
+    def __init__(self, rt, scheduler_policy=None, timeline=None, after_microbatch=None,
                  should_stop=None, on_progress=None):  # fmt: skip
         self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
-        self.policy = policy_fn or policies.POLICIES[self.specs.run.policy]
+        self.scheduler_policy = scheduler_policy or policies.POLICIES[self.specs.run.policy]
         self.after_microbatch = after_microbatch
         self.should_stop = should_stop or (lambda: False)
         self.on_progress = on_progress or (lambda: None)
@@ -73,28 +73,29 @@ class Controller:
         self.on_progress()
         self.wake.set()
 
-    # ------------------------------------------------------------------ policy and roles
+    # ------------------------------------------------------------------ scheduling and roles
 
     def alive(self) -> list[int]:
         """Cell indices still in the run (a lost cell's process is gone: gyre/cluster/)."""
         return [i for i in range(len(self.roles)) if i not in self.proxy.lost]
 
     def oldest(self) -> StepWork | None:
-        """The step being trained: a later step's gradient must be taken at the weights its
-        update is applied to, which exist once the older step's update lands."""
+        """The step being trained (a later step's gradients need the weights its update lands)."""
         return self.steps[min(self.steps)] if self.steps else None
 
     def snapshot(self) -> policies.LoadSnapshot:
-        """The policy's view of the cells still alive, every figure measured
+        """The scheduler policy's view of the cells still alive, every figure measured
         (gyre/rl/measure.py, the KV pools)."""
         run, alive, oldest = self.specs.run, self.alive(), self.oldest()
         pick = lambda xs: tuple(xs[i] for i in alive)
         live = self.proxy.live_requests()
+        queued = oldest.queued_tokens if oldest else 0.0  # all trainable now: a part per group
         return policies.LoadSnapshot(
             roles=pick(self.roles),
             **{k: self.counters[k] for k in ("dispatched", "started", "finished")},
             live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
-            train_queue_tokens=oldest.queued_tokens if oldest else 0.0,
+            train_queue_tokens=queued, trainable_tokens=queued,
+            rolled_out=bool(oldest) and oldest.groups_left == 0,
             rollout_capacity=pick(self.proxy.capacity_contexts()),
             train_throughput=pick(self.figures.train_throughput()),
             switch_r2t_s=self.figures.switch_r2t_s,
@@ -207,7 +208,7 @@ class Controller:
         try:
             while self.trainer.version < steps:
                 self.tasks.check()
-                alloc = self.policy(self.snapshot(), self.specs.policy)
+                alloc = self.scheduler_policy(self.snapshot(), self.specs.scheduler)
                 self.apply_roles(alloc.roles)
                 if alloc.dispatch and self.next_step < steps:
                     self.dispatch(self.next_step)

@@ -118,7 +118,7 @@ class Specs:
     trajectory: TrajectorySpec
     agent: AgentSettings
     env: EnvSpec
-    policy: PolicyParams
+    scheduler: PolicyParams  # the scheduler policy's parameters
     run: RunSpec
     eval: EvalSpec
     sft: SftSpec

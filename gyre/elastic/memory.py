@@ -1,0 +1,532 @@
+"""The simulator's memory models, one strategy each (gyre/elastic/sim.py runs the events).
+
+- :class:`NoMemory`: at most ``slots`` requests per cell, one global queue with least-loaded
+  routing, a global, unlimited, free prefix cache.
+- :class:`TokenPools`: a KV pool of ``kv_capacity_tokens`` per cell; affinity, FIFO admission
+  whose head blocks, LRU eviction of idle contexts, hand-over by migration or re-prefill.
+- :class:`EnginePools`: the real engine's pool rule (gyre/rollout/engine.py, proxy.py).
+- :class:`ResidentPools`: token pools with admission that keeps contexts resident
+  (gyre/elastic/admission.py): no eviction, calls of admitted executions first.
+
+Every strategy answers the same calls from the event loop (``route``, ``fill``, ``admitted``,
+``call_done``, ``dropped``, ``handover``, ``ended``, ...), so each rule is written once.
+Token counts are in simulated tokens (a replicated cost model's units).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from gyre.elastic.admission import ResidentAdmission
+from gyre.elastic.policy import ROLLOUT
+from gyre.elastic.simstate import ExState, Stale
+
+
+class NoMemory:
+    """No KV limit: ``slots`` requests per cell, least-loaded routing, a free prefix cache."""
+
+    def __init__(self, sim):
+        self.sim, self.cost = sim, sim.cost
+        if self.cost.slots < 1:
+            raise ValueError("slots must be >= 1 without a memory model (kv_capacity_tokens 0)")
+
+    def need(self, call) -> float:
+        """KV tokens a call reserves while live."""
+        return call.prompt_tokens + call.completion_tokens
+
+    def check(self, steps) -> None:
+        """Refuses a workload that could never run."""
+
+    def capacity(self) -> float:
+        """Executions a rollout cell counts as holding, for the policy."""
+        return self.cost.slots
+
+    def dispatched(self, es) -> None:
+        pass
+
+    def _open(self, c) -> bool:
+        return c.role == ROLLOUT and not c.switching and c.load() < self.cost.slots
+
+    def route(self, req) -> None:
+        """A new call: to the least-loaded cell with a free slot, else the global queue."""
+        best = None
+        for c in self.sim.cells:
+            if self._open(c) and (best is None or c.load() < best.load()):
+                best = c
+        if best is None:
+            req.cell = None
+            self.sim.pending.append(req)
+        else:
+            self.sim._admit(best, req)
+
+    def fill(self, c) -> None:
+        """A slot may have opened on ``c``: admit from the queue."""
+        pending = self.sim.pending
+        while pending and self._open(c):
+            req = pending.popleft()
+            if not req.dead:
+                self.sim._admit(c, req)
+
+    def after_switch(self) -> None:
+        pass
+
+    def admitted(self, c, req) -> None:
+        pass
+
+    def call_done(self, c, req) -> None:
+        pass
+
+    def dropped(self, c, req) -> None:
+        """A timeout removed an admitted request from ``c``."""
+
+    def ended(self, es) -> None:
+        pass
+
+    def new_weights(self) -> None:
+        pass
+
+    def handover(self, c) -> float:
+        """The cell leaves rollout: live requests go back to the front of the global queue
+        (re-prefilling their context so far under ``handover_reprefill``) -> extra seconds."""
+        sim = self.sim
+        moved = []
+        for req in sorted(c.active, key=lambda r: r.target):
+            sim._detach(c, req)
+            if self.cost.handover_reprefill:
+                call = req.ex.ex.calls[req.call]
+                req.prefill = call.prompt_tokens + call.completion_tokens - req.remaining
+                req.cached = 0.0
+            moved.append(req)
+        if c.prefilling is not None:
+            moved.append(c.prefilling)
+        moved.extend(c.prefill_q)
+        sim._clear(c)
+        for req in reversed(moved):
+            req.cell = None
+            sim.pending.appendleft(req)
+        for other in sorted(sim.cells, key=lambda o: o.load()):
+            if other is not c:
+                self.fill(other)
+        return 0.0
+
+
+class TokenPools(NoMemory):
+    """A KV pool per cell: each execution's context stays resident, idle, between its calls.
+
+    A request reserves its call's final context (prompt + completion) at admission; a call goes
+    to the cell holding its context if that has room, else to the cell with most room (one
+    needing no eviction first), where it prefills its whole prompt; the global queue is FIFO
+    and its head blocks; admitting evicts idle contexts, least recently used first.
+    """
+
+    def __init__(self, sim):
+        self.sim, self.cost = sim, sim.cost
+        self.tol = 1e-9 * max(self.cost.kv_capacity_tokens, 1.0)
+        self.peak_sum, self.peak_n = 0.0, 0  # largest reservations of the ended executions
+
+    def check(self, steps) -> None:
+        need = max(self.need(c) for b in steps for ex in b for c in ex.calls)
+        if need > self.cost.kv_capacity_tokens:
+            raise ValueError(
+                f"a call needs {need} KV tokens but a cell holds "
+                f"{self.cost.kv_capacity_tokens:.0f} (kv_capacity_tokens): it could never run"
+            )
+
+    def capacity(self) -> float:
+        """KV pool / the mean expected peak context of the outstanding executions, each the
+        larger of its own largest context so far and the mean peak of those ended."""
+        cost = self.cost
+        prior = self.peak_sum / self.peak_n if self.peak_n else 0.0
+        sizes = [max(es.peak, prior) for es in self.sim.open_es]
+        sizes = [x for x in sizes if x > 0] or [prior]
+        est = sum(sizes) / len(sizes)
+        cap = cost.kv_capacity_tokens / est if est > 0 else 1.0
+        return min(cap, cost.slots) if cost.slots > 0 else cap
+
+    # ---- placement --------------------------------------------------------------------
+    def _open(self, c) -> bool:
+        slots = self.cost.slots
+        return c.role == ROLLOUT and not c.switching and (slots <= 0 or c.load() < slots)
+
+    def _fits(self, c, need: float, evict: bool = True) -> bool:
+        used = c.kv_live + (0.0 if evict else c.kv_idle)
+        return used + need <= self.cost.kv_capacity_tokens + self.tol
+
+    def _most_room(self, need: float, exclude=None, live: bool = True):
+        """The cell a request (``live``) or an idle context goes to: fits (without evicting,
+        for an idle one) and has most room, one that needs no eviction first; or None."""
+        best, best_key = None, None
+        for c in self.sim.cells:
+            if c is exclude or not (
+                self._open(c) if live else c.role == ROLLOUT and not c.switching
+            ):
+                continue
+            if not self._fits(c, need, evict=live):
+                continue
+            key = (
+                self._fits(c, need, evict=False),
+                -c.kv_live - (0.0 if live else c.kv_idle),
+                -c.i,
+            )
+            if best_key is None or key > best_key:
+                best, best_key = c, key
+        return best
+
+    def _pick(self, req):
+        home = req.ex.cell
+        if home is not None and self._open(home) and self._fits(home, req.need):
+            return home
+        return self._most_room(req.need, exclude=home)
+
+    def route(self, req) -> None:
+        self.sim.pending.append(req)  # FIFO: behind whatever waits already
+        self.fill_all()
+
+    def fill(self, c) -> None:
+        self.fill_all()
+
+    def after_switch(self) -> None:
+        self.fill_all()
+
+    def fill_all(self) -> None:
+        """Admits from the head of the global queue while the head fits somewhere."""
+        pending = self.sim.pending
+        while pending:
+            req = pending[0]
+            if req.dead:
+                pending.popleft()
+                continue
+            c = self._pick(req)
+            if c is None:
+                return
+            pending.popleft()
+            self.sim._admit(c, req)
+
+    # ---- contexts -------------------------------------------------------------------------
+    def _forget(self, es) -> None:
+        """Drops the execution's idle context from its cell."""
+        c = es.cell
+        if c is not None and es in c.idle:
+            c.kv_idle -= c.idle.pop(es)
+        es.cell, es.held = None, 0.0
+
+    def _evict(self, c) -> None:
+        counters = self.sim.counters
+        while c.idle and c.kv_live + c.kv_idle > self.cost.kv_capacity_tokens + self.tol:
+            es, held = c.idle.popitem(last=False)
+            c.kv_idle -= held
+            es.cell, es.held = None, 0.0
+            (es if isinstance(es, ExState) else es.owner).lost.add(c)
+            counters["evictions"] += 1
+
+    def _count_reprefill(self, c, es, reuse: float, cached: float, call) -> None:
+        """A call admitted away from (or after losing) its cached context re-prefills it."""
+        self.sim.counters["reprefill_tokens"] += reuse - cached
+
+    def _leave_behind(self, es, c) -> None:
+        """What happens to the execution's idle context on another cell (dropped here)."""
+
+    def _note(self, need: float) -> None:
+        """An admission's reservation (the engine's capacity estimate uses them)."""
+
+    def admitted(self, c, req) -> None:
+        """Memory at admission: reuse the context if it is here, else prefill it all."""
+        es, counters = req.ex, self.sim.counters
+        if req.fresh:
+            call = es.ex.calls[req.call]
+            reuse = call.prompt_tokens - call.new_prompt_tokens
+            req.cached = reuse if es.cell is c else 0
+            req.prefill = call.prompt_tokens - req.cached
+            if self.cost.prefill_chunk > 0:
+                req.prefill = max(req.prefill, 1)
+            self._count_reprefill(c, es, reuse, req.cached, call)
+            if es.cell is not None and es.cell is not c:
+                counters["moved_calls"] += 1
+        else:  # handed over mid-call without its KV: its context so far is all re-prefilled
+            counters["reprefill_tokens"] += req.prefill
+        self._leave_behind(es, c)
+        self._forget(es)
+        es.cell, es.held, es.peak = c, req.need, max(es.peak, req.need)
+        es.home = c
+        self._note(req.need)
+        c.kv_live += req.need
+        self._evict(c)
+
+    def _idle_tokens(self, req) -> float:
+        return req.need
+
+    def call_done(self, c, req) -> None:
+        """A call finished: its context stays resident, idle, most recently used."""
+        es = req.ex
+        c.kv_live -= req.need
+        held = self._idle_tokens(req)
+        c.idle[es] = held
+        c.kv_idle += held
+        es.cell, es.held = c, held
+
+    def dropped(self, c, req) -> None:
+        c.kv_live -= req.need
+        req.ex.cell, req.ex.held = None, 0.0
+
+    def ended(self, es) -> None:
+        self._forget(es)
+        self._ended_peak(es)
+        self.fill_all()
+
+    def _ended_peak(self, es) -> None:
+        if es.peak > 0:
+            self.peak_sum += es.peak
+            self.peak_n += 1
+
+    # ---- hand-over ----------------------------------------------------------------------
+    def _dest(self, es, need: float, src, live: bool):
+        """Where a context leaving ``src`` goes (None: dropped, re-prefilled later)."""
+        if not self.cost.handover_migrate:
+            return None
+        return self._most_room(need, exclude=src, live=live)
+
+    def _hand_idle(self, es, held: float, src) -> float:
+        """Hands an idle context over (migration, where it fits) -> tokens moved."""
+        counters = self.sim.counters
+        es.cell, es.held = None, 0.0
+        dst = self._dest(es, held, src, live=False)
+        if dst is None:
+            counters["dropped_contexts"] += 1
+            return 0.0
+        dst.idle[es] = held
+        dst.kv_idle += held
+        es.cell, es.held = dst, held
+        counters["migrated_contexts"] += 1
+        counters["migrated_tokens"] += held
+        return held
+
+    def handover(self, c) -> float:
+        """Every resident context leaves with the cell: by migration (live requests to the
+        cell with most room, idle ones where they fit without eviction) or re-prefill."""
+        sim, counters = self.sim, self.sim.counters
+        migrate, moved_tokens, requeue = self.cost.handover_migrate, 0.0, []
+        sim._advance(c)
+        for req in sorted(c.active, key=lambda r: r.target):  # decoding: move mid-call
+            sim._detach(c, req)
+            es, call = req.ex, req.ex.ex.calls[req.call]
+            so_far = call.prompt_tokens + call.completion_tokens - req.remaining
+            c.kv_live -= req.need
+            es.cell, es.held = None, 0.0
+            dst = self._dest(es, req.need, c, live=True)
+            if dst is None:
+                req.prefill, req.cached, req.fresh = so_far, 0.0, False
+                requeue.append(req)
+                continue
+            dst.kv_live += req.need
+            es.cell, es.held = dst, req.need
+            self._evict(dst)
+            req.cell = dst
+            sim._join(dst, req)
+            sim._record(dst)
+            moved_tokens += so_far
+            counters["migrated_contexts"] += 1
+            counters["migrated_tokens"] += so_far
+        waiting = ([c.prefilling] if c.prefilling is not None else []) + list(c.prefill_q)
+        for req in waiting:  # admitted, not decoding yet: back to the queue, context handed over
+            c.kv_live -= req.need
+            req.ex.cell, req.ex.held = None, 0.0
+            if req.fresh and req.cached > 0:
+                moved_tokens += self._hand_idle(req.ex, req.cached, c)
+            requeue.append(req)
+        for es, held in reversed(list(c.idle.items())):  # idle, most recently used first
+            moved_tokens += self._hand_idle(es, held, c)
+        c.idle.clear()
+        c.kv_live = c.kv_idle = 0.0
+        sim._clear(c)
+        self._requeue(requeue)
+        return self.cost.migrate_s(moved_tokens) if migrate else 0.0
+
+    def _requeue(self, reqs) -> None:
+        """Requests handed over without a new cell go back to the front of the queue."""
+        for req in reversed(reqs):
+            req.cell = None
+            self.sim.pending.appendleft(req)
+
+
+class EnginePools(TokenPools):
+    """The real engine's pool rule (``engine_pool=(max_new_tokens, max_len)``).
+
+    A request reserves its footprint P + min(max_new_tokens, max_len - P) - 1, an idle context
+    its cached length P + completion - 1; a call goes back to the cell that served its
+    execution last when that has a slot and room, else to the cell with most free slots, then
+    most room, then lowest index; a context left behind (or by an ended execution) stays idle
+    until evicted or cleared; new weights clear every idle context; the policy's capacity is
+    min(slots, pool / mean footprint of the last 4 x slots admissions).
+    """
+
+    def __init__(self, sim, engine_pool: tuple[int, int]):
+        super().__init__(sim)
+        self.max_new, self.max_len = engine_pool
+        self.recent: collections.deque = collections.deque(maxlen=4 * max(self.cost.slots, 1))
+        self.all_es: list = []  # every dispatched execution (eviction records)
+
+    def need(self, call) -> float:
+        p = call.prompt_tokens
+        return p + min(self.max_new, self.max_len - p) - 1
+
+    def capacity(self) -> float:
+        cost = self.cost
+        if not self.recent:
+            return float(cost.slots)
+        cap = cost.kv_capacity_tokens * len(self.recent) / sum(self.recent)
+        return min(float(cost.slots), cap) if cost.slots > 0 else cap
+
+    def dispatched(self, es) -> None:
+        self.all_es.append(es)
+
+    def _pick(self, req):  # proxy._pick: affinity, then free slots, room, index
+        home = req.ex.home
+        if home is not None and self._open(home) and self._fits(home, req.need):
+            return home
+        ok = [c for c in self.sim.cells if self._open(c) and self._fits(c, req.need)]
+        if not ok:
+            return None
+        return max(ok, key=lambda c: (self.cost.slots - c.load(), -c.kv_live, -c.i))
+
+    def _count_reprefill(self, c, es, reuse, cached, call) -> None:
+        if c in es.lost:  # the engine's count: on a cell that evicted it, bar the last token
+            es.lost.discard(c)
+            self.sim.counters["reprefill_tokens"] += max(
+                0, min(reuse, call.prompt_tokens - 1) - cached
+            )
+
+    def _leave_behind(self, es, c) -> None:
+        if es.cell is not None and es.cell is not c and es in es.cell.idle:
+            old = es.cell  # the engine leaves the context where it was, idle, until evicted
+            stale = Stale(old, es.held, es)
+            old.idle = collections.OrderedDict(
+                (stale if k is es else k, v) for k, v in old.idle.items()
+            )
+            es.cell, es.held = None, 0.0
+
+    def _note(self, need: float) -> None:
+        self.recent.append(need)
+
+    def _idle_tokens(
+        self, req
+    ) -> float:  # the slot's cached length: the last token is not fed back
+        call = req.ex.ex.calls[req.call]
+        return call.prompt_tokens + call.completion_tokens - 1
+
+    def ended(self, es) -> None:  # the engine keeps the context, idle, until evicted
+        self._ended_peak(es)
+        self.fill_all()
+
+    def new_weights(self) -> None:
+        """New weights clear every idle context (not evictions) and the eviction records."""
+        for c in self.sim.cells:
+            for es in c.idle:
+                es.cell, es.held = None, 0.0
+            c.idle.clear()
+            c.kv_idle = 0.0
+        for es in self.all_es:
+            es.lost.clear()
+
+
+class ResidentPools(TokenPools):
+    """Token pools with resident admission (``CostModel.resident_admission``).
+
+    An execution is admitted to one cell with a reservation (:class:`ResidentAdmission`) and
+    its context stays there, never evicted, until it ends; each later call grows the
+    reservation on that cell or waits. Waiting calls of admitted executions go first (a cell
+    where one waits admits no new execution); new executions wait in FIFO order, the head
+    blocking. A cell with nothing running whose oldest waiting call cannot grow preempts its
+    youngest execution (its context is dropped, its next call starts over as a new one). A
+    cell leaving rollout moves each reservation, with its context, to the open cell with most
+    room (``handover_migrate``), or drops it.
+    """
+
+    def __init__(self, sim):
+        super().__init__(sim)
+        self.ledger = ResidentAdmission(sim.k, self.cost.kv_capacity_tokens)
+        self.waiting: collections.deque = collections.deque()  # calls of admitted executions
+        self.moving: dict = {}  # during a hand-over: execution -> its new cell index or None
+
+    def route(self, req) -> None:
+        (self.waiting if self.ledger.holds(req.ex) else self.sim.pending).append(req)
+        self.fill_all()
+
+    def fill_all(self) -> None:
+        sim, led, cells = self.sim, self.ledger, self.sim.cells
+        blocked: set = set()
+        while True:
+            blocked, kept = set(), collections.deque()
+            while self.waiting:
+                req = self.waiting.popleft()
+                if req.dead:
+                    continue
+                c = cells[led.cell_of(req.ex)]
+                if c.i in blocked or not self._open(c) or not led.grow(req.ex, req.need):
+                    blocked.add(c.i)
+                    kept.append(req)
+                    continue
+                sim._admit(c, req)
+            self.waiting = kept
+            stuck = [
+                cells[i] for i in sorted(blocked) if self._open(cells[i]) and not cells[i].load()
+            ]
+            if not stuck:
+                break
+            for c in stuck:
+                self._preempt(c)
+        pending = sim.pending
+        while pending:
+            req = pending[0]
+            if req.dead:
+                pending.popleft()
+                continue
+            open_ = [c.i for c in cells if c.i not in blocked and self._open(c)]
+            i = led.admit(req.ex, req.need, open_)
+            if i is None:
+                return
+            pending.popleft()
+            sim._admit(cells[i], req)
+
+    def _preempt(self, c) -> None:
+        """Frees the youngest reservation on ``c``: its idle context is dropped and its
+        waiting call, if any, starts over as a new execution."""
+        es = self.ledger.youngest(c.i)
+        self.ledger.preempt(es)
+        if es.cell is c and es in c.idle:
+            self._forget(es)
+            self.sim.counters["evictions"] += 1
+        self._unadmitted()
+
+    def _unadmitted(self) -> None:
+        """Waiting calls whose execution lost its reservation go to the front of the queue."""
+        lost = [r for r in self.waiting if not self.ledger.holds(r.ex)]
+        if lost:
+            self.waiting = collections.deque(r for r in self.waiting if self.ledger.holds(r.ex))
+            for req in reversed(lost):
+                self.sim.pending.appendleft(req)
+
+    def _dest(self, es, need: float, src, live: bool):
+        i = self.moving.get(es)
+        return None if i is None else self.sim.cells[i]
+
+    def _requeue(self, reqs) -> None:
+        for req in reversed(reqs):
+            req.cell = None
+            (self.waiting if self.ledger.holds(req.ex) else self.sim.pending).appendleft(req)
+
+    def handover(self, c) -> float:
+        cells = [o.i for o in self.sim.cells if o is not c and self._open(o)]
+        self.moving = {}
+        for es in self.ledger.keys_on(c.i):
+            if self.cost.handover_migrate:
+                self.moving[es] = self.ledger.move(es, cells)
+            else:
+                self.ledger.preempt(es)
+        extra = super().handover(c)
+        self.moving = {}
+        self._unadmitted()
+        return extra
+
+    def ended(self, es) -> None:
+        self.ledger.release(es)
+        super().ended(es)

@@ -1,0 +1,135 @@
+"""Resident admission: the pure ledger, its order in the simulator (calls of admitted
+executions first, nothing evicted, hand-overs move reservations), and the throughput policy
+against every fixed split on a tiny grid."""
+
+import dataclasses
+
+import pytest
+from test_sim import PLAIN, all_ids, biggest_need, run_until, small_workload
+
+from gyre.elastic.admission import ResidentAdmission
+from gyre.elastic.policy import TRAIN, PolicyParams
+from gyre.elastic.sim import Simulator, simulate
+from gyre.elastic.workload import Call, Execution
+
+P, C = 1000, 100
+
+
+def test_ledger_admits_to_most_room_grows_and_waits():
+    led = ResidentAdmission(2, 3000.0)
+    assert led.admit("a", 1000.0, [0, 1]) == 0  # equal room: lowest index
+    assert led.admit("b", 1500.0, [0, 1]) == 1  # most room
+    assert led.admit("c", 2500.0, [0, 1]) is None  # 2000 / 1500 free: no room
+    assert led.grow("a", 1800.0) and led.free(0) == pytest.approx(1200.0)
+    assert led.grow("a", 500.0) and led.free(0) == pytest.approx(1200.0)  # never shrinks
+    assert not led.grow("b", 3500.0) and led.free(1) == pytest.approx(1500.0)
+    assert led.youngest(0) == "a" and led.keys_on(1) == ["b"]
+    led.release("a")  # its peak need (1800) becomes the floor of new reservations
+    assert led.floor == pytest.approx(1800.0) and led.reservation(100.0) == 1800.0
+    assert led.admit("d", 100.0, [0, 1]) == 0 and led.free(0) == pytest.approx(1200.0)
+
+
+def test_ledger_moves_reservations_or_releases_them():
+    led = ResidentAdmission(3, 1000.0)
+    led.admit("a", 600.0, [0])
+    led.admit("b", 700.0, [1])
+    assert led.move("a", [0, 1, 2]) == 2 and led.cell_of("a") == 2 and led.free(0) == 1000.0
+    led.admit("c", 900.0, [0])
+    assert led.move("c", [0, 1, 2]) is None and not led.holds("c")  # nowhere holds 900
+    assert led.free(0) == 1000.0 and led.floor == 0.0  # released without a peak
+    led.preempt("b")
+    assert led.free(1) == 1000.0 and not led.holds("b")
+
+
+def two_calls(eid, tool, second_prompt=P + C + 100, timeout=1e9):
+    return Execution(eid, 0, (Call(P, C, tool, P), Call(second_prompt, C, 0.0, 100)), timeout)
+
+
+def test_calls_of_admitted_executions_go_before_new_executions():
+    # One cell holding 2500 tokens: e0 and e1 are admitted (1100 each); e2's first call (1100)
+    # does not fit beside them. e0's second call (1300) grows its reservation and runs, while
+    # e2 waits although it queued first; without resident admission e2 goes at once, evicting
+    # e0's idle context, which e0 then re-prefills.
+    steps = [[two_calls("e0", 5.0), two_calls("e1", 1000.0),
+              Execution("e2", 0, (Call(P, C, 0.0, P),), 1e9)]]  # fmt: skip
+    cost = dataclasses.replace(PLAIN, kv_capacity_tokens=2500.0, resident_admission=True)
+    r = simulate(steps, 1, "colocate", cost)
+    assert r.counters["evictions"] == 0 and r.counters["reprefill_tokens"] == 0
+    assert r.outcomes["e2"][1] >= r.outcomes["e0"][2] - 1e-9  # admitted once e0 has ended
+    fifo = simulate(steps, 1, "colocate", dataclasses.replace(cost, resident_admission=False))
+    assert fifo.outcomes["e2"][1] < fifo.outcomes["e0"][2]
+    assert fifo.counters["evictions"] >= 1 and fifo.counters["reprefill_tokens"] > 0
+
+
+def test_a_cell_with_nothing_running_preempts_its_youngest_execution():
+    # Both admitted at 1100 each in a 2300 pool; both come back needing 1300: neither fits
+    # beside the other, so the younger (e1) is preempted and re-prefills after e0 ends.
+    steps = [[two_calls("e0", 10.0), two_calls("e1", 10.0)]]
+    cost = dataclasses.replace(PLAIN, kv_capacity_tokens=2300.0, resident_admission=True)
+    r = simulate(steps, 1, "colocate", cost)
+    assert r.end_counts == {"e0": 1, "e1": 1}
+    assert r.counters["evictions"] == 1 and r.counters["reprefill_tokens"] == P + C
+    assert r.outcomes["e1"][2] > r.outcomes["e0"][2]
+
+
+def test_hand_over_moves_reservations_with_the_contexts():
+    steps = [[two_calls(f"e{i}", 1000.0) for i in range(4)]]
+    cost = dataclasses.replace(PLAIN, handover_migrate=True, switch_r2t_s=1.0,
+                               kv_capacity_tokens=4 * 1300.0, resident_admission=True)  # fmt: skip
+    sim = Simulator(steps, 2, "colocate", cost)
+    run_until(sim, 500.0)  # two idle contexts per cell, in their tool waits
+    led = sim.memory.ledger
+    assert sorted(led.cell_of(es) for es in sim.open_es) == [0, 0, 1, 1]
+    sim._switch(sim.cells[1], TRAIN)
+    assert [led.cell_of(es) for es in sim.open_es] == [0] * 4
+    assert len(sim.cells[0].idle) == 4 and sim.counters["migrated_contexts"] == 2
+    r = sim.run()
+    assert r.end_counts == {f"e{i}": 1 for i in range(4)}
+    assert r.counters["reprefill_tokens"] == 0 and r.counters["evictions"] == 0
+
+
+@pytest.mark.parametrize("policy", ["colocate", "async", "elastic", "elastic_memory"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_resident_admission_keeps_the_bound_and_loses_nothing(policy, seed):
+    steps = small_workload(seed, steps=2, timeout=3600.0, branching=0.2)
+    cost = dataclasses.replace(
+        PLAIN, kv_capacity_tokens=2.5 * biggest_need(steps), handover_migrate=bool(seed),
+        switch_r2t_s=0.5, switch_t2r_s=0.2, microbatch_tokens=500, resident_admission=True,
+    )  # fmt: skip
+    sim = Simulator(steps, 3, policy, cost, PolicyParams(max_staleness=1))
+    r = sim.run()
+    assert r.makespan_s >= r.lower_bound_s * (1 - 1e-9)
+    assert r.end_counts == {i: 1 for i in all_ids(steps)}
+    by_id = {ex.execution_id: ex for batch in steps for ex in batch}
+    for ex_id, (reason, _, _, tokens) in r.outcomes.items():
+        assert reason == "success" and tokens == pytest.approx(by_id[ex_id].train_tokens)
+    assert all(u == pytest.approx(0.0, abs=1e-6) for u in sim.memory.ledger.used)
+    for c in sim.cells:
+        assert not c.idle and c.kv_live == pytest.approx(0.0, abs=1e-6)
+
+
+def equal_work_s(r, steps) -> float:
+    full = sum(ex.train_tokens for batch in steps for ex in batch)
+    return r.makespan_s * full / r.counters["trained_tokens"]
+
+
+@pytest.mark.parametrize("train_scale", [1.0, 8.0])
+@pytest.mark.parametrize("contexts", [3.0, 12.0])
+def test_elastic_never_loses_to_a_fixed_split_on_a_tiny_grid(train_scale, contexts):
+    """A fixed split is a special case of an elastic policy: on a tiny grid (KV pool x
+    training cost), elastic's equal-work time is within 2% of every split's or better."""
+    steps = small_workload(seed=4, steps=4, timeout=3600.0)
+    cost = dataclasses.replace(
+        PLAIN, kv_capacity_tokens=contexts * biggest_need(steps), handover_migrate=True,
+        train_per_token_s=PLAIN.train_per_token_s * train_scale, switch_r2t_s=0.5,
+        switch_t2r_s=0.2, microbatch_tokens=500, resident_admission=True,
+    )  # fmt: skip
+    e = equal_work_s(simulate(steps, 4, "elastic", cost, PolicyParams(max_staleness=1)), steps)
+    best = min(
+        equal_work_s(
+            simulate(steps, 4, "async", cost, PolicyParams(async_rollout_cells=r, max_staleness=1)),
+            steps,
+        )
+        for r in (1, 2, 3)
+    )
+    assert e <= best * 1.02
