@@ -21,7 +21,8 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", "workdirs/quickstart", "Where the config, checkpoints, metrics and plots go."
 )
 _ALLOW_CHANGE = flags.DEFINE_bool(
-    "allow_config_change", False,
+    "allow_config_change",
+    False,
     "Resume a workdir's run with a changed config (recorded in config_changes.jsonl).",
 )
 

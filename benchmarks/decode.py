@@ -94,7 +94,9 @@ def engine_rate(cfg, cell, state, batch, prompt_len, new):
     """-> (decode tokens/s, prefill tokens/s, decode steps) of one timed pass after a warm-up."""
     engine = Engine(build_specs(cfg).rollout, cell, state)
     prefill_calls: list[float] = []  # seconds of each prefill program call (engine.on_timing)
-    engine.on_timing = lambda kind, f: prefill_calls.append(f["seconds"]) if kind == "prefill" else None
+    engine.on_timing = lambda kind, f: (
+        prefill_calls.append(f["seconds"]) if kind == "prefill" else None
+    )
     for call in range(2):  # call 0 compiles, call 1 is timed
         for r in requests(batch, prompt_len, new, cfg.model.vocab_size, call):
             engine.submit(r)
@@ -279,8 +281,7 @@ def fit_report(rows: list[dict], cost) -> dict:
         "spread": float(y.max() / y.min() - 1),
         "per_seq_share": cost.decode_per_seq_s * big["batch"] / big["step_s"],
         "per_ctx_share": cost.decode_per_ctx_token_s * long["context_tokens"] / long["step_s"],
-        "per_max_ctx_share": cost.decode_per_max_ctx_token_s * long["context_max"]
-        / long["step_s"],
+        "per_max_ctx_share": cost.decode_per_max_ctx_token_s * long["context_max"] / long["step_s"],
         "decode_base_s": cost.decode_base_s,
         "decode_per_seq_s": cost.decode_per_seq_s,
         "decode_per_ctx_token_s": cost.decode_per_ctx_token_s,

@@ -51,8 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny model, small rows")
     parser.add_argument("--runs", type=int, default=5, help="timed calls per setting and row")
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
-    parser.add_argument("--block", type=int, default=None,
-                        help=f"live kv_block (default {AUTO_KV_BLOCK}; 32 with --quick)")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=None,
+        help=f"live kv_block (default {AUTO_KV_BLOCK}; 32 with --quick)",
+    )
     args = parser.parse_args(argv)
     if args.block is None:
         args.block = 32 if args.quick else AUTO_KV_BLOCK

@@ -130,9 +130,11 @@ def test_no_module_below_the_builder_receives_a_config():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [
-                    node.module or ""
-                ]
+                mods = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
                 if any(m.startswith("ml_collections") or m == "gyre.config" for m in mods):
                     offenders.append(f"{name}:{node.lineno} imports {mods}")
             if isinstance(node, ast.Attribute) and node.attr == "build_specs":

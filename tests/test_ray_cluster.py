@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra (requirements-
 pytestmark = [pytest.mark.xdist_group("ray"),
               pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")]  # fmt: skip
 
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A Ray instance, a compilation cache, and the in-process reference run (8 devices as

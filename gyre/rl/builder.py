@@ -203,8 +203,12 @@ def _build(keys: ConfigKeys) -> Specs:
         rollout=keys.pick(RolloutSpec, "rollout", model=model, seed=seed),
         trainer=trainer,
         trajectory=trajectory,
-        agent=keys.pick(AgentSettings, "agent", max_new_tokens=keys["rollout.max_new_tokens"],
-                        partial_scale=keys["env.partial_scale"]),  # fmt: skip
+        agent=keys.pick(
+            AgentSettings,
+            "agent",
+            max_new_tokens=keys["rollout.max_new_tokens"],
+            partial_scale=keys["env.partial_scale"],
+        ),  # fmt: skip
         env=env,
         scheduler=keys.pick(PolicyParams, "scheduler"),
         run=keys.pick(
@@ -220,8 +224,14 @@ def _build(keys: ConfigKeys) -> Specs:
         ),  # fmt: skip
         cluster=keys.pick(ClusterSpec, "cluster"),
         eval=EvalSpec(eval_tasks, keys["eval.every"], keys["eval.temperature"], seed),
-        sft=SftSpec(recipe, sft_steps, keys["sft.target_accuracy"], keys["sft.eval_every"],
-                    max(eval_tasks, 16), keys["sft.dir"]),  # fmt: skip
+        sft=SftSpec(
+            recipe,
+            sft_steps,
+            keys["sft.target_accuracy"],
+            keys["sft.eval_every"],
+            max(eval_tasks, 16),
+            keys["sft.dir"],
+        ),  # fmt: skip
     )
 
 

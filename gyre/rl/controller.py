@@ -49,8 +49,7 @@ class Controller:
                  should_stop=None, on_progress=None):  # fmt: skip
         self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
         self.scheduler_policy = scheduler_policy or policies.POLICIES[self.specs.run.policy]
-        self.after_microbatch = after_microbatch
-        self.should_stop = should_stop or (lambda: False)
+        self.after_microbatch, self.should_stop = after_microbatch, should_stop or (lambda: False)
         self.on_progress = on_progress or (lambda: None)
         self.roles = ["rollout"] * len(rt.cells)
         self.timeline = timeline or RoleTimeline(len(rt.cells))
@@ -94,7 +93,8 @@ class Controller:
             roles=pick(self.roles),
             **{k: self.counters[k] for k in ("dispatched", "started", "finished")},
             live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
-            train_queue_tokens=queued, trainable_tokens=queued,
+            train_queue_tokens=queued,
+            trainable_tokens=queued,
             rolled_out=bool(oldest) and oldest.groups_left == 0,
             rollout_capacity=pick(self.proxy.capacity_contexts()),
             train_throughput=pick(self.figures.train_throughput()),
@@ -113,14 +113,14 @@ class Controller:
             if role == self.roles[i]:
                 continue
             self.timeline.switch(i, "switch")
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # a switch is timed until its rows or weights have landed
             if role == "train":
                 self.handovers.update(self.proxy.release(i, self.specs.run.handover))
             else:
                 self.proxy.admit(i, self.trainer.params, self.trainer.version)
-            self.proxy.wait_ready(i)  # the moved rows, or the loaded weights, have landed
-            self.figures.record_switch("r2t" if role == "train" else "t2r",
-                                       time.perf_counter() - t0)  # fmt: skip
+            self.proxy.wait_ready(i)
+            seconds = time.perf_counter() - t0
+            self.figures.record_switch("r2t" if role == "train" else "t2r", seconds)
             self.roles[i] = role
             self.timeline.switch(i, role)
         self._forget_lost()

@@ -14,7 +14,7 @@ def where_line(rt, workdir: str) -> str:
     """One line: what runs where (devices, cells, scheduler, the work)."""
     s, cells = rt.specs, rt.cells
     n = sum(c.size for c in cells)
-    actors = (f" in {s.cluster.actors} Ray actors" if s.cluster.backend == "ray" else "")
+    actors = f" in {s.cluster.actors} Ray actors" if s.cluster.backend == "ray" else ""
     return (f"{s.name}: {n} {cells[0].platform} device(s) as {len(cells)} cell(s) of "
             f"{cells[0].size}{actors}, "
             f"{s.run.policy} scheduler, {s.run.steps} RL steps of {s.run.tasks_per_step} tasks x "
