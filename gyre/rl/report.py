@@ -84,7 +84,7 @@ def summary_table(summary: dict) -> str:
                      "RL (change SE from per-task differences)")  # fmt: skip
     hand = summary.get("handovers", {})
     lines.append(f"{'role switches':<20} {summary.get('switches', 0)}; live requests handed over: "
-                 + (", ".join(f"{k} {v}" for k, v in sorted(hand.items())) or "none"))  # fmt: skip
+                 + (", ".join(f"{k} {v}" for k, v in sorted(hand.items()) if v) or "none"))  # fmt: skip
     ws = summary.get("warm_start", {})
     if ws:
         state = "cached" if ws.get("cached") else f"{clock(ws.get('seconds', 0))}"
