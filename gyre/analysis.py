@@ -287,11 +287,11 @@ def packing_sweep(results: Sequence, row_lens: Sequence[int] = (128, 256, 512),
     """Packs harness results with ``build_batch`` for tree and flat packing at each row length:
     rows, real and padded positions, padding share and loss-bearing tokens per row."""
     from gyre.envs.vocab import VOCAB_SIZE
-    from gyre.trajectory.batch import TrajectorySpec, build_batch
+    from gyre.trajectory.batch import PACKINGS, TrajectorySpec, build_batch
 
     out = []
     for row_len in row_lens:
-        for packing in ("tree", "flat"):
+        for packing in PACKINGS:
             spec = TrajectorySpec(VOCAB_SIZE, max_paths=max_paths, row_len=row_len,
                                   packing=packing, rows_per_microbatch=rows_per_microbatch)  # fmt: skip
             batch, report = build_batch(results, spec)

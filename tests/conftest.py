@@ -1,10 +1,80 @@
-"""Fakes 8 CPU devices before anything touches a JAX backend (see JAX_NOTES)."""
+"""Test setup: 8 fake CPU devices (set before anything touches a JAX backend), the hypothesis
+profiles, and the ``sandbox`` marker: such a test needs the code task's sandbox, checked when
+the first one runs (never at import); where it is unavailable the test is skipped with the
+reason, and in CI (``CI=true``) it fails instead: a green CI run has run every one of them."""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+
+CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+# Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (or --hypothesis-profile):
+#   dev       the default outside CI: new random examples each run, failures kept in .hypothesis/;
+#   ci        the default with CI=true: derandomized (the same examples every run), no database;
+#   thorough  THOROUGH_FACTOR times each test's max_examples, randomized, to hunt for bugs.
+# No per-example deadline in any: JAX compiles inside examples, and timing on a shared machine
+# says nothing about correctness.
+THOROUGH_FACTOR = 10
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("thorough", max_examples=100 * THOROUGH_FACTOR, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under the thorough profile, multiplies each test's own ``max_examples`` (most tests set
+    one, which a profile alone does not override)."""
+    if settings.get_current_profile_name() != "thorough":
+        return
+    done = set()
+    for item in items:
+        fn = getattr(getattr(item, "obj", None), "__func__", getattr(item, "obj", None))
+        own = getattr(fn, "_hypothesis_internal_use_settings", None)  # what @settings gave it
+        if own is None or id(fn) in done:
+            continue
+        done.add(id(fn))
+        fn._hypothesis_internal_use_settings = settings(
+            own, max_examples=own.max_examples * THOROUGH_FACTOR
+        )
+    for cls in {item.cls for item in items if item.cls is not None}:  # state machines
+        own = getattr(cls, "settings", None)
+        if isinstance(own, settings):
+            cls.settings = settings(own, max_examples=own.max_examples * THOROUGH_FACTOR)
+
+
+def _sandbox_why_not() -> str | None:
+    from gyre.envs.sandbox import INSTALL_HINT, isolation_available
+
+    ok, why = isolation_available()  # probed once per process (a failed probe is retried once)
+    return None if ok else f"sandbox unavailable: {why}; {INSTALL_HINT}"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("sandbox") is None:
+        return
+    why = _sandbox_why_not()
+    if why is not None:
+        if CI:
+            pytest.fail(f"{why} (CI=true: a sandbox test may not be skipped)", pytrace=False)
+        pytest.skip(why)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI, a sandbox test skipped by any other route (a skipif, a skip inside) fails too."""
+    report = yield
+    if CI and report.skipped and item.get_closest_marker("sandbox") is not None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"sandbox test skipped in CI (CI=true), which counts as a failure: {reason}"
+        )
+    return report

@@ -74,6 +74,7 @@ def assert_matches_dense(q, k, v, leave, cotangent, atol, block=BLOCK):
         )
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(forests(), forests(), st.integers(0, 2**16))
 def test_random_trees_match_dense(leave0, leave1, seed):
@@ -121,6 +122,7 @@ def test_query_that_sees_nothing_is_zero_not_nan():
     assert_matches_dense(q, k, v, leave, cotangent, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_matches_dense_loosely():
     leave = jnp.asarray(np.stack([leave_from_parents([-1, 0, 1, 1, 3, 0], T)] * 2))
     leave = leave.at[:, 0].set(T).at[:, 1:40].set(40)  # a prefix-then-branches shape
@@ -183,6 +185,7 @@ def v_layout(x):
     return jnp.swapaxes(jnp.asarray(x), 1, 2)
 
 
+@pytest.mark.slow
 def test_cached_attention_decode_and_prefill():
     m = 24
     q, _, _, _ = random_qkv(6, t=3)
@@ -242,6 +245,7 @@ def live_inputs(seed, pos, m):
 live = jax.jit(attention.live_decode_attention, static_argnums=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     st.integers(1, 40), st.integers(1, 16), st.lists(st.integers(0, 40), min_size=1, max_size=4),
@@ -262,6 +266,7 @@ def test_live_decode_attention_matches_the_loop_reference(m, block, raw_pos, see
         np.testing.assert_allclose(out[running], ref, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [4, 7, 16])  # 40 = 16 + 16 + 8: a clamped last block
 def test_live_decode_attention_rows_do_not_depend_on_their_batch(block):
     # Row 0 (pos 5) next to short rows and next to a long one: the long one adds blocks row 0
@@ -296,6 +301,7 @@ def test_live_decode_attention_bad_heads_raise():
                                         jnp.array([3]), 4)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "start,t,block",
     [
@@ -328,6 +334,7 @@ def test_live_prefill_attention_matches_the_loop_reference(start, t, block):
     np.testing.assert_allclose(out[:, :inside], ref[:, :inside], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_live_prefill_attention_takes_one_row():
     q, _, _, _ = random_qkv(23, b=2, t=3)
     k_cache, v_cache = jnp.zeros((3, KVH, DH, 8)), jnp.zeros((3, KVH, 8, DH))

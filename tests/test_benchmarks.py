@@ -38,6 +38,7 @@ def test_paper_table_compares_like_for_like():
     assert any("admission" in a for a in sc["assumptions"])  # the assumptions travel with it
 
 
+@pytest.mark.slow
 def test_regimes_map_writes_its_grid_and_picture(tmp_path):
     out = tmp_path / "regimes.png"
     res = last_json(["benchmarks/regimes.py", "--quick", "--out", str(out)])
@@ -99,6 +100,7 @@ def test_reward_ablation_averages_seeds_and_reports_the_difference(tmp_path):
     assert bad.returncode != 0 and "LABEL=WORKDIR" in bad.stderr
 
 
+@pytest.mark.slow
 def test_decode_load_sweep_writes_a_calibration_its_fit_reproduces(tmp_path):
     from gyre.elastic import calibration
 
@@ -165,6 +167,7 @@ def test_decode_steps_option_works_with_and_without_the_spec_field():
     assert decode.tokens_per_dispatch(New(slots=4, decode_steps=-1)) == 16
 
 
+@pytest.mark.slow
 def test_live_attention_benchmark_compares_both_settings_on_the_same_tokens():
     res = last_json(["benchmarks/live_attention.py", "--quick", "--runs", "1"])
     assert res["benchmark"] == "live_attention" and res["block"] == 32

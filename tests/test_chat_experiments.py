@@ -1,4 +1,4 @@
-"""The chat experiments end to end through launch.py on CPU (issue 18): a tiny random-init Qwen3
+"""The chat experiments end to end through launch.py on CPU: a tiny random-init Qwen3
 directory with a local tokenizer, the chat layer, the sandboxed code task and reasoning-gym,
 RL steps, the trained checkpoint exported in the layout it came in, and a resumed run."""
 
@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from gyre.envs.sandbox import isolation_available
-
+pytestmark = pytest.mark.slow  # each test launches a run in a subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -27,7 +26,6 @@ def metrics(workdir) -> list[dict]:
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not isolation_available()[0], reason="the code task needs bubblewrap")
 def test_qwen3_code_tiny_runs_two_steps_and_exports_a_qwen3_directory(tmp_path):
     launch("experiments/qwen3_code.py:tiny", tmp_path, "--config.eval.tasks=2")
     rows = metrics(tmp_path)

@@ -22,6 +22,7 @@ def _run(trainer, specs, cells, steps):
     return [trainer.train_step(cells, *step_batch(specs, s)).metrics["loss"] for s in steps]
 
 
+@pytest.mark.slow
 def test_resume_on_another_layout_matches_the_uninterrupted_run(tmp_path):
     specs = build_specs(small_config())
     cells = make_cells(2)[:2]  # two train cells of 2 devices
@@ -54,6 +55,7 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_divergence_leaves_the_last_good_checkpoint_intact(tmp_path):
     cfg = small_config()
     cfg.train.max_bad_steps = 2
@@ -86,6 +88,7 @@ def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
         Trainer.restore(specs.trainer, cells, graphdef, Checkpointer(str(tmp_path / "none")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate_arrays", "break_metadata"])
 def test_an_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog, damage):
     specs = build_specs(small_config())

@@ -34,6 +34,7 @@ def test_cluster_spec_and_config_reject_bad_values():
         validate(cfg)
 
 
+@pytest.mark.slow
 def test_a_lost_cells_calls_finish_on_the_others_with_the_same_tokens():
     """The proxy's side of a lost actor: the calls live there are retried from their record
     elsewhere; keyed sampling makes the same tokens (the lost attempt's tokens are remade)."""

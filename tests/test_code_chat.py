@@ -11,10 +11,8 @@ from gyre.envs import sandbox
 from gyre.envs.base import Task
 from gyre.envs.code_chat import CodeChatEnv, code_block
 from gyre.envs.code_problems import load_problems, split_names
-from gyre.envs.sandbox import SandboxLimits, SandboxUnavailable, isolation_available
+from gyre.envs.sandbox import SandboxLimits, SandboxUnavailable
 
-AVAILABLE, WHY = isolation_available()
-sandboxed = pytest.mark.skipif(not AVAILABLE, reason=f"sandbox unavailable: {WHY}")
 PROBLEMS = load_problems()
 TASK = Task("caesar", 0, ("caesar_shift",))
 CAESAR = PROBLEMS["caesar_shift"]
@@ -56,7 +54,6 @@ def test_nothing_runs_unconfined_where_the_sandbox_is_unavailable(monkeypatch):
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_tools_and_tasks_come_from_the_split():
     env = CodeChatEnv()
     assert [t["function"]["name"] for t in env.tools] == ["write_file", "run_tests", "read_file"]
@@ -77,7 +74,6 @@ def test_tools_and_tasks_come_from_the_split():
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_prompt_shows_examples_but_no_hidden_test():
     env = CodeChatEnv()
     prompt = env.task_text(env.reset(TASK))
@@ -88,7 +84,6 @@ def test_prompt_shows_examples_but_no_hidden_test():
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_write_read_run_report_only_visible_failures_and_keep_the_best_run():
     env = CodeChatEnv()
     state = env.reset(TASK)
@@ -127,7 +122,6 @@ def test_write_read_run_report_only_visible_failures_and_keep_the_best_run():
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_all_tests_passing_is_done_and_running_out_of_runs_is_fail():
     env = CodeChatEnv(max_runs=2)
     state = env.reset(TASK)
@@ -145,7 +139,6 @@ def test_all_tests_passing_is_done_and_running_out_of_runs_is_fail():
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_code_that_hangs_or_does_not_load_is_reported_and_counts_as_a_run():
     env = CodeChatEnv(limits=SandboxLimits(wall_seconds=0.5))
     state = env.reset(TASK)
@@ -164,7 +157,6 @@ def test_code_that_hangs_or_does_not_load_is_reported_and_counts_as_a_run():
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_bad_tool_calls_say_what_is_wrong_and_change_nothing():
     env = CodeChatEnv(max_file_bytes=64)
     state = env.reset(TASK)
@@ -186,7 +178,6 @@ def test_bad_tool_calls_say_what_is_wrong_and_change_nothing():
 
 
 @pytest.mark.sandbox
-@sandboxed
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(["write_file", "read_file", "run_tests", "", "x" * 3]),
@@ -213,7 +204,6 @@ def test_any_arguments_give_an_ok_step_never_an_exception(name, arguments):
 
 
 @pytest.mark.sandbox
-@sandboxed
 def test_a_reply_without_a_tool_call_writes_and_tests_its_code_block():
     env = CodeChatEnv(max_file_bytes=512)
     state = env.reset(TASK)

@@ -10,7 +10,7 @@ from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
 from gyre.envs.base import Task
 from gyre.envs.code import PROBLEMS, CodeEnv
-from gyre.envs.sandbox import SandboxLimits, isolation_available
+from gyre.envs.sandbox import SandboxLimits
 from gyre.envs.vocab import ByteVocab as B
 from gyre.trajectory.records import validate_execution
 
@@ -18,11 +18,8 @@ CFG = AgentSettings(max_calls=12, context_window=2048, max_new_tokens=256)
 BUGGY = "write_file\ndef is_prime(n):\n    return n % 2 == 1\n"
 GOOD = "write_file\n" + PROBLEMS["is_prime"][3]
 TASK = Task("prime", 0, ("is_prime",))
-AVAILABLE, WHY = isolation_available()
-pytestmark = [  # every test here runs code in the real sandbox (CodeEnv refuses to start without)
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not AVAILABLE, reason=f"sandbox unavailable: {WHY}"),
-]
+# every test here runs code in the real sandbox (CodeEnv refuses to start without)
+pytestmark = pytest.mark.sandbox
 
 
 def run(policy, cfg=CFG, env=None):

@@ -1,5 +1,10 @@
 """Config validation: unknown keys, wrong types and impossible layouts are one-line errors."""
 
+import ast
+import glob
+import importlib
+import os
+
 import ml_collections
 import pytest
 
@@ -91,19 +96,89 @@ def test_impossible_layouts_and_choices(updates, match):
         check(cfg)
 
 
-def test_every_choice_list_has_one_owner():
-    """The config's choices are the parts' own lists, not copies."""
-    from gyre.elastic.policy import POLICIES
-    from gyre.envs.registry import ENVIRONMENTS
+# Each config key that takes one of a list of values, and the part that owns that list.
+CHOICE_OWNERS = {
+    "trajectory.loss_mode": ("gyre.trajectory.advantages", "LOSS_MODES"),
+    "trajectory.packing": ("gyre.trajectory.batch", "PACKINGS"),
+    "trajectory.reward": ("gyre.trajectory.advantages", "REWARDS"),
+    "scheduler.policy": ("gyre.elastic.policy", "POLICIES"),
+    "scheduler.handover": ("gyre.rollout.types", "HANDOVERS"),
+    "env.name": ("gyre.envs.registry", "ENVIRONMENTS"),
+    "rollout.cpu_vector_width": ("gyre.rollout.types", "CPU_VECTOR_WIDTHS"),
+    "model.attention": ("gyre.model.attention", "IMPLS"),
+    "model.dtype": ("gyre.model.decoder", "DTYPES"),
+    "cluster.backend": ("gyre.cluster.spec", "BACKENDS"),
+}
 
-    for name in POLICIES:
+
+def _literal_copies(values, owner_module: str, owner_name: str) -> list[str]:
+    """Where a tuple, list or set literal in gyre/ spells out ``values`` (the owner's own
+    definition aside): 'path:line' each."""
+    root = os.path.dirname(importlib.import_module("gyre").__file__)
+    want, found = frozenset(values), []
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        module = "gyre." + os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+        module = module.removesuffix(".__init__")
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        own = set()
+        if module == owner_module:
+            for node in ast.walk(tree):
+                targets = getattr(node, "targets", [getattr(node, "target", None)])
+                if any(isinstance(t, ast.Name) and t.id == owner_name for t in targets):
+                    own |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in own:
+                elts = node.elts
+                if elts and all(isinstance(e, ast.Constant) for e in elts):
+                    if frozenset(e.value for e in elts) == want:
+                        found.append(f"{os.path.relpath(path, root)}:{node.lineno}")
+    return found
+
+
+def test_every_choice_list_has_one_owner(monkeypatch):
+    """Every config key that takes one of a list of values is checked against the list of the
+    part that owns it: each value it holds is accepted, a value it does not hold is refused,
+    one added to a registry is accepted at once, and no copy of the list is written anywhere
+    in gyre/ (a copy would keep validating after the part's list changed)."""
+    defaults = default_config()
+    choice_keys = set()
+    for section, group in defaults.items():
+        if not isinstance(group, ml_collections.ConfigDict):
+            continue
+        for key, value in group.items():
+            if isinstance(value, str):
+                cfg = default_config()
+                cfg[section][key] = "no-such-choice"
+                try:
+                    validate(cfg)
+                except ConfigError as e:
+                    if "one of" in str(e):
+                        choice_keys.add(f"{section}.{key}")
+    assert choice_keys <= set(CHOICE_OWNERS), choice_keys - set(CHOICE_OWNERS)
+    problems = []
+    for path, (module, name) in CHOICE_OWNERS.items():
+        section, key = path.split(".")
+        owner = getattr(importlib.import_module(module), name, None)
+        if owner is None:
+            problems.append(f"{path}: no owner list {module}.{name}")
+            continue
+        for value in owner:
+            cfg = default_config()
+            cfg[section][key] = value
+            validate(cfg)
         cfg = default_config()
-        cfg.scheduler.policy = name
-        check(cfg)
-    for name in ENVIRONMENTS:
-        cfg = default_config()
-        cfg.env.name = name
-        validate(cfg)
+        cfg[section][key] = -12345 if isinstance(defaults[section][key], int) else "no-such"
+        with pytest.raises(ConfigError, match=path):
+            validate(cfg)
+        if isinstance(owner, dict):  # a registry: what is registered is a valid choice at once
+            with monkeypatch.context() as m:
+                m.setitem(owner, "newly-registered", next(iter(owner.values())))
+                cfg = default_config()
+                cfg[section][key] = "newly-registered"
+                validate(cfg)
+        problems += [f"{path}: a copy of {module}.{name} at {where}"
+                     for where in _literal_copies(owner, module, name)]  # fmt: skip
+    assert not problems, "\n".join(problems)
 
 
 def _numeric_leaves(cfg, prefix=""):

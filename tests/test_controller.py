@@ -38,6 +38,7 @@ def tiny(shared, **overrides):
     return cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["colocate", "async", "elastic"])
 def test_two_step_pulse_of_the_entry_point(shared, tmp_path, scheduler):
     cfg = tiny(shared, **{"scheduler.policy": scheduler, "scheduler.max_staleness": 1})
@@ -88,6 +89,7 @@ def _records(cfg, workdir, scheduler_policy):
     return ctrl, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["migrate", "retry"])
 def test_random_role_switches_lose_nothing_and_change_no_token(shared, tmp_path, mode):
     cfg = tiny(shared, **{"rollout.temperature": 0.0, "run.steps": 1, "run.tasks_per_step": 3,
@@ -200,6 +202,7 @@ def test_signal_fraction_counts_groups_whose_trained_rewards_differ():
     assert signal_fraction([]) == 0.0
 
 
+@pytest.mark.slow
 def test_an_error_in_a_background_task_ends_the_run_at_once(shared, tmp_path, monkeypatch):
     from gyre.rl.work import StepWork
 
@@ -213,6 +216,7 @@ def test_an_error_in_a_background_task_ends_the_run_at_once(shared, tmp_path, mo
         asyncio.run(asyncio.wait_for(ctrl.run(), timeout=300))
 
 
+@pytest.mark.slow
 def test_the_policy_sees_measured_figures_and_concurrency_is_honoured(shared, tmp_path):
     """No placeholder reaches the policy: train tokens/s from timed micro-batches, switch
     seconds from timed switches, capacity from the KV pools, a real 'started' counter; and at

@@ -46,6 +46,7 @@ def run(requests, steps, cell=0, spec=SPEC):
     return [out[r] for r in rids], engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_loop_equals_one_token_per_dispatch_bit_for_bit(temperature):
     # 6 requests on 4 slots (two wait), mixed prompt lengths, budgets and stop tokens (the
@@ -142,6 +143,7 @@ def test_new_weights_make_resident_prefixes_unusable_as_sources():
     assert engine.stats["shared_tokens"] == 0  # the live request's K/V is the old weights'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_block", [0, 24])  # dense, live blocks (their count is data)
 def test_nothing_recompiles_as_the_number_of_live_requests_changes(kv_block):
     spec = dataclasses.replace(SPEC, decode_steps=4, kv_block=kv_block)
@@ -195,6 +197,7 @@ def test_a_vector_width_xla_does_not_know_is_refused_by_name():
     assert RolloutSpec(SPEC.model).cpu_vector_width == -1
 
 
+@pytest.mark.slow
 def test_one_slot_cell_decodes_with_wide_vectors_exactly():
     # One slot (auto: 512-bit vectors) against XLA's default width and the full forward: the
     # width may reorder float sums, never change what is computed.
@@ -238,6 +241,7 @@ def test_zero_decode_steps_is_refused_by_name():
         build_specs(cfg)
 
 
+@pytest.mark.slow
 def test_one_slot_auto_loop_decodes_a_call_in_two_dispatches_exactly():
     # Auto on a one-slot cell: 64 tokens a loop, so a 100-token call (the prefill samples the
     # first) decodes in 2 loops, idle 0, bit for bit as one token per dispatch (99 loops).
@@ -261,6 +265,7 @@ def test_one_slot_auto_loop_decodes_a_call_in_two_dispatches_exactly():
 LIVE = dataclasses.replace(SPEC, kv_block=24)
 
 
+@pytest.mark.slow
 def test_live_kv_blocks_decode_exactly():
     # Decode attention over the live blocks only: the loop equals one token per dispatch bit
     # for bit, logprobs equal the full forward, and a request's tokens and logprobs do not
@@ -299,6 +304,7 @@ def test_a_negative_kv_block_is_refused_by_name():
         dataclasses.replace(SPEC, kv_block=-2)
 
 
+@pytest.mark.slow
 def test_one_slot_cell_decodes_by_live_blocks_exactly():
     # One slot (the multiply-and-sum fold) with live blocks: the loop equals one token per
     # dispatch bit for bit and the logprobs equal the full forward.

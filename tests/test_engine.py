@@ -146,6 +146,7 @@ def test_common_prefix():
     assert common_prefix(a, np.zeros(0, np.int64)) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_block", [0, 24])  # dense; live blocks (gyre/rollout/programs.py)
 def test_model_parallel_cell_shards_kv_heads_and_agrees(kv_block):
     (mp_cell,) = gmesh.make_cells(2, model_parallel=2, devices=jax.devices()[6:])

@@ -179,6 +179,7 @@ def setup():
     return specs, cells, graphdef, params, Trainer(specs.trainer, cells, graphdef, params)
 
 
+@pytest.mark.slow
 def test_tree_equals_flat_on_agent_shaped_execution(setup):
     _, cells, graphdef, params, trainer = setup
     rng = np.random.default_rng(0)
@@ -207,6 +208,7 @@ def _pad_rows_noise(noise, rows):
     return out
 
 
+@pytest.mark.slow
 def test_microbatch_gradients_summed_over_cells_equal_single_batch(setup):
     specs, _, graphdef, params, single = setup
     rng = np.random.default_rng(3)
@@ -319,6 +321,7 @@ def _rows_per_execution(batch):
     return [int((batch.exec_index == e).any(1).sum()) for e in range(3)]
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(st.integers(0, 10_000), st.integers(14, 28))
 def test_pack_equals_records_on_branchy_executions(setup, stale_trainer, seed, n_calls):
@@ -326,6 +329,7 @@ def test_pack_equals_records_on_branchy_executions(setup, stale_trainer, seed, n
     check_record_equivalence(setup, stale_trainer, branchy(setup, seed, n_calls))
 
 
+@pytest.mark.slow
 def test_row_splits_are_exercised(setup, stale_trainer):
     """A case whose trees are split over several rows, checked for equivalence too."""
     execs = branchy(setup, 4, 24)
@@ -334,6 +338,7 @@ def test_row_splits_are_exercised(setup, stale_trainer):
     check_record_equivalence(setup, stale_trainer, execs)
 
 
+@pytest.mark.slow
 def test_retries_served_by_other_weights_train_their_own_behaviour(setup, stale_trainer):
     """Agent-shaped executions whose retries sample four tokens of the call they retry again,
     then their own, each followed by a continuation: served by the same weights (merged) or

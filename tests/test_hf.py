@@ -67,6 +67,7 @@ def gyre_logits(graphdef, state, tokens, pos, leave):
     return np.asarray(apply_logits(graphdef, state, hidden))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [True, False])
 def test_logits_match_transformers_causal_and_tree(tmp_path, tie):
     model = torch_model(tie)

@@ -15,6 +15,7 @@ from gyre.config import ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_smoke_experiment_moves_weights_exactly(tmp_path):
     summary = run.main(smoke.get_config(), str(tmp_path))
     assert summary["moved_equal"] and summary["cells"] == 4
@@ -24,6 +25,7 @@ def test_smoke_experiment_moves_weights_exactly(tmp_path):
     assert json.load(open(tmp_path / "summary.json"))["moved_equal"] is True
 
 
+@pytest.mark.slow
 def test_harness_experiment_reports_every_ending(tmp_path):
     cfg = harness_ledger.get_config("8")
     summary = run.main(cfg, str(tmp_path))

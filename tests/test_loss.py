@@ -30,6 +30,7 @@ def _batch(old, adv_pos, adv_neg, w, versions=None):
     }
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.floats(-0.6, 0.6), min_size=1, max_size=6),

@@ -156,6 +156,7 @@ def apply_cached(graphdef, state, tokens_BxT, pos_BxT, cache, slot_B, start_B):
     return decoder.forward_serving(model.spec, weights, tokens_BxT, pos_BxT, cache, slot_B, start_B)
 
 
+@pytest.mark.slow
 def test_kv_cache_prefill_chunks_then_decode_matches_full_forward():
     model = Decoder(model_cfg(), nnx.Rngs(4))
     graphdef, state = nnx.split(model)
@@ -206,6 +207,7 @@ def test_param_logical_axes():
     assert all(len(n) == x.ndim for n, x in zip(names, leaves))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_parallel", [1, 2])
 @pytest.mark.parametrize("role", ["train", "rollout"])
 def test_init_sharded_places_params_per_rules(model_parallel, role):
@@ -249,6 +251,7 @@ def test_tied_vs_untied_head():
     np.testing.assert_allclose(untied.logits(hidden), hidden @ untied.lm_head[...], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_gives_same_gradients():
     graphdef, state = nnx.split(Decoder(model_cfg(num_layers=1), nnx.Rngs(0)))
     tokens, pos, leave = causal_inputs(1, 8)

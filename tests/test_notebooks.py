@@ -61,6 +61,7 @@ def figures(nb) -> int:
     return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
 
 
+@pytest.mark.slow
 def test_notebooks_run_on_a_real_workdir(workdir, monkeypatch):
     # One test for all three, so under pytest-xdist only one worker makes the tiny run.
     for name in sorted(FIGURES):
@@ -71,6 +72,7 @@ def test_notebooks_run_on_a_real_workdir(workdir, monkeypatch):
             assert workdir in text, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FIGURES_WITHOUT_RUN))
 def test_notebook_says_when_there_is_no_workdir(name, tmp_path, monkeypatch):
     missing = str(tmp_path / "no-such-run")

@@ -1,7 +1,9 @@
 """Sandbox (bubblewrap): correct verdicts judged outside, every escape a hostile review found
 closed (files, processes, sockets, reads, forged results, output, limits), and started without
-forking this (JAX-multithreaded) process. Tests that run programs are marked ``sandbox`` and
-skipped, with the reason, where the sandbox cannot run here."""
+forking this (JAX-multithreaded) process. Tests that run programs are marked ``sandbox``:
+tests/conftest.py skips them, with the reason, where the sandbox cannot run here (fails them in
+CI). No wall-clock bound is asserted: each limit shows as the status it produces (a run that
+waited for what it should not have would end as a ``timeout`` at its generous wall limit)."""
 
 import asyncio
 import os
@@ -29,14 +31,11 @@ from gyre.envs.sandbox import (
 FORKS = []  # one entry per Python-level fork (os.fork, or subprocess with a preexec_fn)
 os.register_at_fork(before=lambda: FORKS.append(1))
 
-AVAILABLE, WHY = isolation_available()
 TESTS = [((1, 2), 3), ((2, 2), 4)]
 FAST = dict(wall_seconds=10.0)  # generous: nothing in these tests should get near it
 
 
-def sandboxed(fn):
-    skip = pytest.mark.skipif(not AVAILABLE, reason=f"sandbox unavailable: {WHY}")
-    return pytest.mark.sandbox(skip(fn))
+sandboxed = pytest.mark.sandbox  # availability: tests/conftest.py
 
 
 def run(src, tests=TESTS, fn="add", sandbox_dir=None, **limits):
@@ -267,9 +266,8 @@ def test_no_process_outlives_the_run():
         subprocess.run(["/bin/sh", "-c", "nohup /bin/sleep {token} >/dev/null 2>&1 &"])
         return "spawned"
     """
-    start = time.monotonic()
-    res, seen = probe(body, wall_seconds=30)
-    assert seen == "spawned" and time.monotonic() - start < 10
+    res, seen = probe(body, wall_seconds=30)  # "ok", not "timeout": it did not wait for them
+    assert seen == "spawned"
     assert live_pids(res.uid) == [] and cmdlines_with(token) == []
 
 
@@ -292,9 +290,8 @@ def test_fork_bomb_is_contained():
                             signal.pause()
                 n += 1
     """
-    start = time.monotonic()
-    res = run(src, [((1, 2), 3)], processes=12, wall_seconds=30)
-    assert res.status == "ok" and res.outputs[0] < 12 and time.monotonic() - start < 10
+    res = run(src, [((1, 2), 3)], processes=12, wall_seconds=30)  # "ok": ended before the wall
+    assert res.status == "ok" and res.outputs[0] < 12
     assert live_pids(res.uid) == []
 
 
@@ -487,23 +484,25 @@ def test_the_judge_parses_untrusted_output_robustly():
 
 
 @sandboxed
-def test_huge_output_is_cut_off_quickly_with_bounded_judge_memory():
+def test_huge_output_is_cut_off_with_bounded_judge_memory():
+    """Each hog prints without end, so only being cut off at the output budget ends its run
+    before the wall limit (which would make it a "timeout")."""
     hogs = {
-        "print 100 MB": "def add(a, b):\n    print('x' * 100 * 2**20)\n",
-        "write 400 MB": "import os\ndef add(a, b):\n    for _ in range(400):\n"
+        "print 100 MB at a time": "def add(a, b):\n    while True:\n"
+        "        print('x' * 100 * 2**20)\n",
+        "write 1 MB at a time": "import os\ndef add(a, b):\n    while True:\n"
         "        os.write(1, b'x' * 2**20)\n",
-        "stderr at import": "import sys\nfor _ in range(400):\n    sys.stderr.write('y' * 2**20)\n",
+        "stderr at import": "import sys\nwhile True:\n    sys.stderr.write('y' * 2**20)\n",
     }
     for name, src in hogs.items():
         tracemalloc.start()
-        start = time.monotonic()
         try:
             res = run(src, output_bytes=2**20, wall_seconds=30)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
         assert res.status == "output_limit", (name, res)
-        assert time.monotonic() - start < 10 and peak < 12 * 2**20, (name, peak)
+        assert peak < 12 * 2**20, (name, peak)
 
 
 # ---------------------------------------------------------------- time, memory, signals
@@ -576,6 +575,55 @@ def test_nothing_runs_unconfined_where_the_sandbox_is_unavailable(monkeypatch):
         run("def add(a, b):\n    return a + b\n")
 
 
-def test_isolation_available_is_cached_and_explains():
-    ok, why = isolation_available()
-    assert isinstance(ok, bool) and (ok or why) and isolation_available() == (ok, why)
+def test_isolation_available_is_cached_and_explains(monkeypatch):
+    """One probe per process (a failed probe run retried once, then the answer kept), and an
+    unavailable sandbox always comes with a one-line reason naming what is wrong."""
+    runs = []
+
+    def flaky(timeout):  # the first probe run fails, as one can on a busy machine
+        runs.append(timeout)
+        return "exit 1: bwrap: No space left on device" if len(runs) == 1 else None
+
+    monkeypatch.setattr(sandbox, "_missing", lambda: None)
+    monkeypatch.setattr(sandbox, "_probe_once", flaky)
+    isolation_available.cache_clear()
+    try:
+        assert isolation_available() == (True, "") and len(runs) == 2
+        assert isolation_available() == (True, "") and len(runs) == 2  # cached: no third run
+
+        isolation_available.cache_clear()
+        runs.clear()
+        monkeypatch.setattr(
+            sandbox, "_probe_once", lambda timeout: runs.append(timeout) or f"bad {len(runs)}"
+        )
+        ok, why = isolation_available()
+        assert (ok, len(runs)) == (False, 2) and "bad 1" in why and "bad 2" in why
+        assert isolation_available() == (ok, why) and len(runs) == 2  # a failure is kept too
+
+        monkeypatch.undo()  # the real checks, on a machine that has everything but one piece
+        lacks = [
+            (os, "geteuid", lambda: 1000, "needs root"),
+            (sandbox, "_tools", lambda: (None, "/usr/bin/python3"), "bwrap) is not installed"),
+            (sandbox, "_tools", lambda: ("/usr/bin/bwrap", None), "no Python interpreter under"),
+            (sandbox, "_reachable", lambda path: False, "is not reachable"),
+        ]
+        for where, name, fake, words in lacks:
+            isolation_available.cache_clear()
+            runs.clear()
+            with monkeypatch.context() as m:
+                m.setattr(os, "geteuid", lambda: 0)
+                m.setattr(sandbox, "_tools", lambda: ("/usr/bin/bwrap", "/usr/bin/python3"))
+                m.setattr(sandbox, "_reachable", lambda path: True)
+                m.setattr(sandbox, "_probe_once", lambda timeout: runs.append(timeout))
+                m.setattr(where, name, fake)
+                ok, why = isolation_available()
+            assert not ok and words in why and "\n" not in why and runs == [], (name, why)
+        isolation_available.cache_clear()
+        with monkeypatch.context() as m:  # the same machine with nothing missing: one probe run
+            m.setattr(os, "geteuid", lambda: 0)
+            m.setattr(sandbox, "_tools", lambda: ("/usr/bin/bwrap", "/usr/bin/python3"))
+            m.setattr(sandbox, "_reachable", lambda path: True)
+            m.setattr(sandbox, "_probe_once", lambda timeout: runs.append(timeout))
+            assert isolation_available() == (True, "") and len(runs) == 1
+    finally:
+        isolation_available.cache_clear()  # the tests after this one probe for real

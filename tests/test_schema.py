@@ -86,6 +86,7 @@ def _end_nll(logp, entropy, batch, spec, version_now, ref_logp):
     return loss, {"loss": loss, "w_sum": jnp.sum(end_w), "end_nll": loss}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", ["tree", "flat"])
 def test_a_new_per_token_input_flows_from_the_packer_to_the_loss(world, monkeypatch, packing):
     """Everything a new input needs: one Field (schema), a loss reading it and its metric's

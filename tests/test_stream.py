@@ -102,6 +102,7 @@ def _assert_trees_close(a, b, what, atol=None):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=tol, err_msg=what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", LOSS_MODES)
 def test_apply_parts_over_groups_equals_apply_step_over_the_whole_batch(world, mode):
     specs, cells, graphdef, params = world

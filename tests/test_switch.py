@@ -6,6 +6,7 @@ import asyncio
 
 import jax
 import numpy as np
+import pytest
 
 import experiments.quickstart as quickstart
 from benchmarks.switch import CompileCounter, microbatch
@@ -35,6 +36,7 @@ def generate(proxy, request):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_role_switch_both_ways_compiles_nothing_after_warmup(tmp_path):
     cfg = quickstart.get_config("tiny")
     cfg.mesh.cell_size = 4  # two cells: the core (0) trains, cell 1 switches

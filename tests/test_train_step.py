@@ -52,6 +52,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_steps_update_core_weights_without_retrace(world):
     specs, cells, graphdef, params = world
     trainer = Trainer(specs.trainer, cells[:2], graphdef, params)
@@ -116,6 +117,7 @@ def test_poisoned_gradient_is_skipped(world):
     assert not out.applied and not np.isfinite(out.metrics["grad_norm"])
 
 
+@pytest.mark.slow
 def test_sft_gradient_matches_cross_entropy_on_a_causal_row(world):
     specs, cells, graphdef, params = world
     sft = dataclasses.replace(specs.trainer, objective="sft")
@@ -161,6 +163,7 @@ def test_microbatch_rows_must_divide_the_data_axis(world):
         trainer.compute_grads(cells[0], mb)
 
 
+@pytest.mark.slow
 def test_kl_to_an_identical_reference_is_zero(world):
     specs, cells, graphdef, params = world
     loss = dataclasses.replace(specs.trainer.loss, kl_coef=0.1)

@@ -63,6 +63,7 @@ def greedy_reference(folder, cfg, prompts_BxP, new):
     return out
 
 
+@pytest.mark.slow
 def test_gyre_side_is_greedy_and_sized_like_the_peer(setup):
     folder, cfg, cell = setup
     prompts = vs_tunix.make_prompts(2, PROMPT, cfg.model.vocab_size, seed=1)
@@ -76,6 +77,7 @@ def test_gyre_side_is_greedy_and_sized_like_the_peer(setup):
     np.testing.assert_array_equal(first.tokens, whole.tokens[:, :1])
 
 
+@pytest.mark.slow
 def test_engine_works_whichever_way_the_flax_flag_flips(setup, shard_flag):
     """Weights loaded under one value of flax_always_shard_variable, the engine's programs
     built under the other (Tunix's import sets it to False): same greedy tokens."""
@@ -89,6 +91,7 @@ def test_engine_works_whichever_way_the_flax_flag_flips(setup, shard_flag):
         np.testing.assert_array_equal(side.run(prompts[:batch], NEW).tokens, want[:batch])
 
 
+@pytest.mark.slow
 def test_weights_and_shardings_agree_whatever_the_flax_flag(setup, shard_flag):
     """Importing Tunix flips flax's flax_always_shard_variable; parameters fix their
     eager_sharding metadata, so trees made under either value have one structure."""

@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 import experiments.quickstart as quickstart
 from gyre import mesh
@@ -34,6 +35,7 @@ def test_demo_batch_weights_sum_to_one_and_skip_wrong_digits():
     np.testing.assert_array_equal(batch.w, again.w)  # keyed by the seed: reproducible
 
 
+@pytest.mark.slow
 def test_longer_warm_start_continues_a_cached_one_exactly(tmp_path):
     cfg = tiny()
     specs = build_specs(cfg)

@@ -51,10 +51,11 @@ they hold before any untrusted code runs. The interpreter inside must live under
 project's own one usually is not reachable by the run's uid). A launcher or sandbox that
 cannot start raises OSError (an infrastructure error, not a verdict on the code); the runner
 prints a start line before any untrusted code runs, so the program cannot fake that.
-Availability: ``isolation_available()`` (cached) checks for root (needed to switch uid),
-``bwrap``, a Python under /usr and a reachable temporary directory, then runs a probe through
-the whole path. Where it fails, ``require_isolation()`` (CodeEnv calls it when constructed) and
-``run_tests`` raise SandboxUnavailable: nothing ever runs unconfined.
+Availability: ``isolation_available()`` (on first use, then cached) checks for root (needed to
+switch uid), ``bwrap``, a Python under /usr and a reachable temporary directory, then runs a
+probe through the whole path, once more if it fails (a busy machine can fail one run); the
+reason it gives names each failure. Where it fails, ``require_isolation()`` (CodeEnv calls it
+when constructed) and ``run_tests`` raise SandboxUnavailable: nothing ever runs unconfined.
 Not enforced: memory is per process (RLIMIT_AS times the process limit bounds the total, no
 cgroup); disk use in /sandbox is bounded per file (RLIMIT_FSIZE) and by time, not in total;
 CPU is per process, so several processes can use several cores until the wall limit; a
@@ -361,31 +362,24 @@ def _payload(function: str, tests) -> bytes:
     return (json.dumps([function, [list(args) for args, _ in tests]]) + "\n").encode()
 
 
-@functools.cache
-def isolation_available() -> tuple[bool, str]:
-    """(whether the bubblewrap sandbox works here, why not). Probes once per process."""
-    if os.geteuid() != 0:
-        return False, "the sandbox runs each program as its own uid, which needs root"
-    bwrap, python = _tools()
-    if bwrap is None:
-        return False, "bubblewrap (bwrap) is not installed"
-    if python is None:
-        return False, "no Python interpreter under /usr (e.g. /usr/bin/python3) to run inside"
-    if not _reachable(tempfile.gettempdir()):
-        return False, f"the temporary directory {tempfile.gettempdir()} is not reachable"
+PROBE_TRIES = 2  # a probe run that fails is tried once more: a busy machine can fail one
+
+
+def _probe_once(timeout: float) -> str | None:
+    """Runs one tiny program through the whole sandbox path; None when it passed, else why not."""
     tests, uid, lock, workdir = [((2,), 3)], None, None, None
     try:
         uid, lock = _acquire_uid()
         workdir = tempfile.mkdtemp(prefix="gyre-sbx-probe-")
         _prepare(workdir, uid, "def f(x):\n    return x + 1\n")
         r = subprocess.run(_command(workdir, uid, SandboxLimits()), input=_payload("f", tests),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
                            start_new_session=True, cwd="/", env={})  # fmt: skip
         if not r.stdout.startswith(_START) or _judge(r.stdout[: 2**16], tests)[0] != ["pass"]:
-            tail = r.stdout[-300:].decode(errors="replace")
-            return False, f"a probe run in bubblewrap failed (exit {r.returncode}): {tail}"
+            tail = " ".join(r.stdout[-300:].decode(errors="replace").split())
+            return f"exit {r.returncode}: {tail or 'no output'}"
     except (OSError, subprocess.SubprocessError, SandboxUnavailable) as exc:
-        return False, f"a probe run in bubblewrap failed: {exc!r}"
+        return repr(exc)
     finally:
         deadline = time.monotonic() + 5
         while uid is not None and not _sweep(uid) and time.monotonic() < deadline:
@@ -394,7 +388,40 @@ def isolation_available() -> tuple[bool, str]:
             os.close(lock)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-    return True, ""
+    return None
+
+
+def _missing() -> str | None:
+    """What this machine lacks for the sandbox (checked without running anything), or None."""
+    if os.geteuid() != 0:
+        return "the sandbox runs each program as its own uid, which needs root"
+    bwrap, python = _tools()
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed"
+    if python is None:
+        return "no Python interpreter under /usr (e.g. /usr/bin/python3) to run inside"
+    if not _reachable(tempfile.gettempdir()):
+        return f"the temporary directory {tempfile.gettempdir()} is not reachable"
+    return None
+
+
+@functools.cache
+def isolation_available() -> tuple[bool, str]:
+    """(whether the bubblewrap sandbox works here, why not: one line). Checked on first use and
+    cached for the process: what the machine lacks, then a probe run through the whole path,
+    tried ``PROBE_TRIES`` times (the later with a longer timeout) before it counts as failed."""
+    missing = _missing()
+    if missing is not None:
+        return False, missing
+    failures = []
+    for attempt in range(PROBE_TRIES):
+        why = _probe_once(timeout=30.0 * (attempt + 1))
+        if why is None:
+            return True, ""
+        failures.append(f"try {attempt + 1}: {why}")
+        if attempt + 1 < PROBE_TRIES:
+            time.sleep(0.5)  # let a passing shortage (uids, namespaces, memory) clear
+    return False, f"a probe run in bubblewrap failed {len(failures)} times ({'; '.join(failures)})"
 
 
 def require_isolation() -> None:

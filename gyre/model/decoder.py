@@ -134,6 +134,10 @@ def _finish_block(p, x, attn_BxTxHxDh, spec, dtype):
     return x + (gate * (h @ p["up"].astype(dtype))) @ p["down"].astype(dtype)
 
 
+# Activation dtypes a model may run in (parameters stay float32).
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """The architecture (frozen, hashable: static data of the graphdef and of jit caches)."""
@@ -153,6 +157,8 @@ class ModelSpec:
     attn_block: int
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads ({self.num_heads})"

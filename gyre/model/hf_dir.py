@@ -132,8 +132,8 @@ def save(
     leaves a half-written checkpoint and stale shards never survive. ``path`` may be
     ``source.path``. Returns ``path``.
     """
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"save dtype {dtype!r}: expected 'float32' or 'bfloat16'")
+    if dtype not in decoder.DTYPES:
+        raise ValueError(f"save dtype {dtype!r}: expected one of {decoder.DTYPES}")
     text = source.text if source else None
     if text is not None and text.num_tokens > spec.vocab_size:
         raise ValueError(
