@@ -271,7 +271,7 @@ def test_decode_fit_is_the_non_negative_least_squares_fit(rows, with_max):
     """Reference: scipy's NNLS on the same design; ours is never negative and never worse.
     Contexts are whole token counts (a context of 1e-241 tokens made both solvers' designs
     singular); with_max adds the longest-context column."""
-    optimize = pytest.importorskip("scipy.optimize")
+    from scipy import optimize
     import numpy as np
 
     raw = np.array(rows, float)
