@@ -271,8 +271,8 @@ def test_decode_fit_is_the_non_negative_least_squares_fit(rows, with_max):
     """Reference: scipy's NNLS on the same design; ours is never negative and never worse.
     Contexts are whole token counts (a context of 1e-241 tokens made both solvers' designs
     singular); with_max adds the longest-context column."""
-    from scipy import optimize
     import numpy as np
+    from scipy import optimize
 
     raw = np.array(rows, float)
     cols = [raw[:, 0], raw[:, 1]] + ([np.round(raw[:, 1] * raw[:, 2])] if with_max else [])
