@@ -13,8 +13,11 @@ model, its memory model and costs, 8 cells, 1024 executions per step), fewer ste
   set by scaling every training cost (per token, per context token, per micro-batch).
 
 Per grid point and seed: colocate, async at every split, elastic at staleness 1 and 0; the
-figures are speedups in steady-state equal-work hours (= tokens per hour over steps 2..N-2,
-so that the short runs' pipeline fill and drain do not count), mean over seeds: best async /
+figures are speedups in steady-state equal-work hours (= the steady rate: tokens over time in
+windows of an even number of step intervals inside the ends of steps 1..N-2, so that the
+short runs' pipeline fill and drain do not count and a cycle of two steps is cut at one phase;
+paper_table.steady_hours),
+mean over seeds: best async /
 elastic, colocate / elastic, and colocate / elastic at staleness 0 (equal staleness). > 1
 means elastic is faster. The paper table's three scenarios are marked at their own (x, y).
 Saves the heat maps to --out (PNG) and prints the grids; the last line is one JSON object.
@@ -44,8 +47,8 @@ from gyre.elastic.workload import generate  # noqa: E402
 # steps the window is 2 step intervals and the map moved by up to 0.3x).
 KV_RATIOS = (0.4, 0.7, 1.0, 2.0)
 TRAIN_SHARES = (0.05, 0.2, 0.45)
-# Steady-state equal-work hours (steps 2..N-2): short runs' pipeline fill and drain would
-# otherwise favour elastic over a fixed split.
+# Steady-state equal-work hours (even windows inside the ends of steps 1..N-2): short runs'
+# pipeline fill and drain would otherwise favour elastic over a fixed split.
 METRIC = "steady_equal_work_h"
 QUICK = dict(kv=(0.5, 2.0), shares=(0.2, 0.5), steps=2, seeds=1)
 
@@ -99,7 +102,7 @@ def grid_point(sc, cost, seeds_steps, kv_ratio: float) -> dict:
     p = sc.params
     stats: dict = {}
     out = {"async": {r: [] for r in range(1, sc.num_cells)}, "colocate": [], "elastic": [],
-           "elastic_s0": []}  # fmt: skip
+           "elastic_s0": [], "elastic_throughput": []}  # fmt: skip
     for steps, full, peak, floor in seeds_steps:
         step_of = {ex.execution_id: ex.step for batch in steps for ex in batch}
         c = with_kv(cost, kv_ratio, per_cell, peak, floor)
@@ -112,6 +115,7 @@ def grid_point(sc, cost, seeds_steps, kv_ratio: float) -> dict:
 
         out["colocate"].append(h("colocate", p, "colocate"))
         out["elastic"].append(h("elastic", p, "elastic"))
+        out["elastic_throughput"].append(h("elastic_throughput", p, "elastic_throughput"))
         out["elastic_s0"].append(
             h("elastic", dataclasses.replace(p, max_staleness=0), "elastic_s0")
         )
@@ -132,9 +136,19 @@ def grid_point(sc, cost, seeds_steps, kv_ratio: float) -> dict:
         return float(x.mean()), float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
 
     vs_best, vs_best_se = speedup(out["async"][best])
+    # The previous steady figure (a window cut at step ends), for comparison, and how much the
+    # even windows moved the best split's own figure (1.0 = unchanged).
+    win = {key: np.array([x["window_equal_work_h"] for x in stats[key]])
+           for key in ("elastic", f"async_{best}")}  # fmt: skip
+    vs_best_window = float(np.mean(win[f"async_{best}"] / win["elastic"]))
+    split_steady_over_window = float(np.mean(np.array(out["async"][best]) / win[f"async_{best}"]))
     vs_col, vs_col_se = speedup(out["colocate"])
+    # The throughput rule (issue 33's first pass) against the same best split.
+    tr, _ = speedup(out["async"][best], np.array(out["elastic_throughput"]))
     vs_eq, vs_eq_se = speedup(out["colocate"], np.array(out["elastic_s0"]))
     return {"vs_async_best": vs_best, "vs_async_best_se": vs_best_se, "best_split": best,
+            "vs_async_best_window": vs_best_window, "throughput_rule_vs_async_best": tr,
+            "async_best_steady_over_window": split_steady_over_window,
             "vs_colocate": vs_col, "vs_colocate_se": vs_col_se,
             "vs_colocate_equal_staleness": vs_eq, "vs_colocate_equal_staleness_se": vs_eq_se,
             "elastic_equal_work_h": float(e.mean()), "done": done,
@@ -228,6 +242,12 @@ def main():
            "steps": steps_n, "seeds": seeds, "png": args.out, "admission": args.admission}  # fmt: skip
     grid = {(g["kv_ratio"], g["train_share_target"]): g for g in rows}
     for key, title in (("vs_async_best", "best async / elastic"),
+                       ("vs_async_best_window", "best async / elastic, the previous steady "
+                        "window (tokens of steps 2..N-2 / time between step ends 1 and N-2)"),
+                       ("throughput_rule_vs_async_best", "best async / elastic_throughput "
+                        "(the first pass's rule, same metric)"),
+                       ("async_best_steady_over_window", "the best split's own steady figure / "
+                        "its previous window figure"),
                        ("vs_colocate", "colocate / elastic (staleness 0 vs 1)"),
                        ("vs_colocate_equal_staleness", "colocate / elastic at staleness 0")):  # fmt: skip
         print(f"\nelastic speedup, equal work: {title} (rows: training share, cols: KV ratio)")

@@ -170,7 +170,7 @@ def replay_workdir(workdir: str, calibration: str = "cpu_measured"):
     # the controller packs micro-batches per finished task group
     cost = dataclasses.replace(calib.load(calibration), shared_cores=True, pack_by_group=True)
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    return sim.simulate(steps, cells, specs.run.policy, cost, specs.scheduler)
+    return sim.simulate(steps, cells, specs.run.scheduler_policy, cost, specs.scheduler)
 
 
 # ---------------------------------------------------------------- trees

@@ -59,16 +59,6 @@ def write_config(cfg, specs, workdir: str) -> None:
 FREE_KEYS = ("mesh.cache_dir", "sft.dir", "run.steps")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def last_checkpoint(workdir: str) -> int | None:
     """The step of the newest checkpoint in the workdir (None: no run there yet)."""
     ckpt = os.path.join(workdir, "checkpoints")
@@ -79,12 +69,14 @@ def last_checkpoint(workdir: str) -> int | None:
 def config_changes(cfg, workdir: str) -> list[str]:
     """'key: old -> new' for each key that differs from the config of the run in ``workdir``
     (none when the workdir holds no run yet), leaving out FREE_KEYS."""
+    from gyre.rl.builder import flat_keys
+
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path) or last_checkpoint(workdir) is None:
         return []
     with open(path) as f:
-        old = _flat(json.load(f))
-    new = _flat(json.loads(cfg.to_json_best_effort()))
+        old = flat_keys(json.load(f))
+    new = flat_keys(json.loads(cfg.to_json_best_effort()))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and k not in FREE_KEYS]  # fmt: skip
 
@@ -105,7 +97,7 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
 
         # every part's own checks, the cell layout and the environment, before anything is
         # written into the workdir (a tiny checkpoint may be made in the cache)
-        specs = builder.build_specs(cfg)
+        specs = builder.build_specs(cfg)  # touches no JAX backend: the device count comes next
         setup_devices(specs.mesh.cpu_devices)
         if specs.cluster.backend == "local":  # a Ray actor checks its own devices
             mesh.cells_for(specs.mesh)

@@ -246,6 +246,9 @@ def test_the_policy_sees_measured_figures_and_concurrency_is_honoured(shared, tm
     assert all(m.count > 0 for m in ctrl.figures.train)  # every cell trained and was timed
     assert all(t != seed and t > 0 for t in last.train_throughput)
     assert last.rollout_capacity == ctrl.proxy.capacity_contexts()
+    # the work a train cell could take now, and when the oldest step has rolled out
+    assert any(s.trainable_tokens > 0 for s in seen) and any(s.rolled_out for s in seen)
+    assert all(s.trainable_tokens == s.train_queue_tokens for s in seen)  # a part per group
     assert ctrl.figures.switch["r2t"].count > 0  # the elastic policy switched, timed
     for key in ("kv_evictions", "kv_admissions", "kv_resident_contexts",
                 "policy_train_tokens_per_s", "policy_switch_r2t_s"):  # fmt: skip

@@ -14,9 +14,11 @@ from gyre.elastic.policy import (
     LoadSnapshot,
     PolicyParams,
     async_split,
+    base_train_cells,
     colocate,
     elastic,
     elastic_memory,
+    elastic_throughput,
 )
 
 R, T = ROLLOUT, TRAIN
@@ -28,6 +30,7 @@ def snap(
     queue=0.0,
     trainable=0.0,
     rolled_out=False,
+    rate=0.0,
     running=None,
     live=None,
     cap=4.0,
@@ -57,6 +60,7 @@ def snap(
         next_batch=next_batch,
         trainable_tokens=trainable,
         rolled_out=rolled_out,
+        rollout_tokens_per_s=rate,
     )
 
 
@@ -131,7 +135,7 @@ def test_demand_never_left_without_a_rollout_cell():
     assert a.roles.count(R) >= 1 and a.roles[0] == T
 
 
-# ---- the throughput rule (elastic) -----------------------------------------------------------
+# ---- the throughput rule (elastic_throughput, elastic's rule until the rate is measured) -----------------------------------------------------------
 RT = 8.5 + 3.5  # a round trip; one cell trains 100 tok/s
 
 
@@ -139,24 +143,32 @@ def test_cells_leave_only_for_trainable_work_covering_the_round_trips():
     p = PolicyParams(max_staleness=0, leave_round_trips=3.0)
     busy = [5, 5, 5, 5]  # every rollout cell decodes
     # 3 round trips of one cell's training: 3600 tokens. Just under: nobody leaves.
-    a = elastic(snap([R] * 4, outstanding=4, trainable=3 * RT * 100 - 1, live=busy, cap=8), p)
+    a = elastic_throughput(
+        snap([R] * 4, outstanding=4, trainable=3 * RT * 100 - 1, live=busy, cap=8), p
+    )
     assert a.roles == (R,) * 4
-    a = elastic(snap([R] * 4, outstanding=4, trainable=3 * RT * 100 + 1, live=busy, cap=8), p)
+    a = elastic_throughput(
+        snap([R] * 4, outstanding=4, trainable=3 * RT * 100 + 1, live=busy, cap=8), p
+    )
     assert a.roles == (T, R, R, R)  # the core first; a second would get half of it
-    a = elastic(snap([R] * 4, outstanding=4, trainable=2 * 3 * RT * 100 + 1, live=busy, cap=8), p)
+    a = elastic_throughput(
+        snap([R] * 4, outstanding=4, trainable=2 * 3 * RT * 100 + 1, live=busy, cap=8), p
+    )
     assert a.roles == (T, T, R, R)
     # Queued tokens that are not trainable yet (a partial micro-batch) move nobody.
-    a = elastic(snap([R] * 4, outstanding=4, queue=BIG_QUEUE, trainable=0.0, live=busy, cap=8), p)
+    a = elastic_throughput(
+        snap([R] * 4, outstanding=4, queue=BIG_QUEUE, trainable=0.0, live=busy, cap=8), p
+    )
     assert a.roles == (R,) * 4
 
 
 def test_work_that_gates_the_optimizer_step_needs_one_round_trip():
     p = PolicyParams(max_staleness=0, leave_round_trips=3.0)
-    a = elastic(snap([R] * 4, outstanding=4, trainable=2 * RT * 100 + 1, rolled_out=True,
+    a = elastic_throughput(snap([R] * 4, outstanding=4, trainable=2 * RT * 100 + 1, rolled_out=True,
                      live=[5] * 4, cap=8), p)  # fmt: skip
     assert a.roles == (T, T, R, R)  # two cells, each with exactly one round trip: not a third
     # The oldest step has rolled out: its tokens gate the optimizer step, however few.
-    a = elastic(snap([R] * 4, outstanding=4, trainable=10.0, rolled_out=True, live=[5] * 4,
+    a = elastic_throughput(snap([R] * 4, outstanding=4, trainable=10.0, rolled_out=True, live=[5] * 4,
                      cap=8), p)  # fmt: skip
     assert a.roles == (T, R, R, R)
 
@@ -164,10 +176,12 @@ def test_work_that_gates_the_optimizer_step_needs_one_round_trip():
 def test_memory_binds_the_cells_that_may_leave():
     p = PolicyParams(max_staleness=0)
     # 10 running executions, 4 per cell, one cell of slack: 3 + 1 cells must stay.
-    a = elastic(snap([R] * 4, outstanding=10, trainable=BIG_QUEUE, live=[3] * 4, cap=4), p)
+    a = elastic_throughput(
+        snap([R] * 4, outstanding=10, trainable=BIG_QUEUE, live=[3] * 4, cap=4), p
+    )
     assert a.roles == (R,) * 4
     # Only 6 of them admitted (running): two cells of capacity + slack stay, the core leaves.
-    a = elastic(snap([R] * 4, outstanding=10, running=6, trainable=BIG_QUEUE, live=[3] * 4,
+    a = elastic_throughput(snap([R] * 4, outstanding=10, running=6, trainable=BIG_QUEUE, live=[3] * 4,
                      cap=4), p)  # fmt: skip
     assert a.roles == (T, R, R, R)
 
@@ -176,17 +190,63 @@ def test_train_cells_return_when_nothing_is_trainable():
     p = PolicyParams(max_staleness=0)
     roles = [T, T, T, R]
     # Something left to take: the train cells stay, whatever the demand.
-    a = elastic(snap(roles, outstanding=9, queue=5e3, trainable=50.0, live=[0, 0, 0, 9]), p)
+    a = elastic_throughput(
+        snap(roles, outstanding=9, queue=5e3, trainable=50.0, live=[0, 0, 0, 9]), p
+    )
     assert a.roles == tuple(roles)
     # Nothing trainable (a partial micro-batch queued) and demand: every train cell returns.
-    a = elastic(snap(roles, outstanding=1, queue=5e3, trainable=0.0, live=[0, 0, 0, 1]), p)
+    a = elastic_throughput(
+        snap(roles, outstanding=1, queue=5e3, trainable=0.0, live=[0, 0, 0, 1]), p
+    )
     assert a.roles == (R,) * 4
     # No demand: nobody returns (the optimizer step or the staleness bound holds dispatch).
-    a = elastic(snap(roles, outstanding=0, queue=0.0, step=2, version=1), p)
+    a = elastic_throughput(snap(roles, outstanding=0, queue=0.0, step=2, version=1), p)
     assert a.roles == tuple(roles) and not a.dispatch
     # No demand, queued tokens and no train cell: the core trains them whatever the cost.
-    a = elastic(snap([R] * 4, outstanding=0, queue=10.0, trainable=10.0, step=2), p)
+    a = elastic_throughput(snap([R] * 4, outstanding=0, queue=10.0, trainable=10.0, step=2), p)
     assert a.roles[0] == T
+
+
+# ---- the measured base split with lending (elastic) ------------------------------------------
+
+
+def test_base_split_sizes_training_by_the_measured_rates():
+    # One cell trains 100 tok/s; rollout hands over 250 tok/s: 2.5 cells -> 3.
+    assert base_train_cells(snap([R] * 8, rate=250.0)) == 3
+    assert base_train_cells(snap([R] * 8, rate=0.0)) == 0  # unmeasured: no base yet
+    assert base_train_cells(snap([R] * 8, rate=1.0)) == 1  # at least one trains
+    assert base_train_cells(snap([R] * 8, rate=1e5)) == 7  # at least one rolls out
+    # Within the band the current base (the leading train cells) stays: no flapping.
+    assert base_train_cells(snap([T, T, R, R, R, R, R, R], rate=250.0)) == 2
+    assert base_train_cells(snap([T, T, T, T, R, R, R, R], rate=250.0)) == 3  # 4 > 2.5 x 1.2 + 1
+    assert base_train_cells(snap([T, R, R, R, R, R, R, R], rate=250.0)) == 3  # 1 < 2.5 x 0.8
+
+
+def test_elastic_holds_the_measured_split_and_uses_the_throughput_rule_before():
+    p = PolicyParams(max_staleness=1)
+    a = elastic(snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4), p)
+    assert a.roles == (T, T, R, R)
+    # Unmeasured: the throughput rule decides (here: every cell decodes).
+    b = elastic_throughput(snap([R] * 4, outstanding=8, live=[2] * 4), p)
+    assert elastic(snap([R] * 4, outstanding=8, live=[2] * 4), p) == b
+
+
+def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
+    p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
+    live = [0, 3, 0, 0]  # cell 1 is the base's first rollout cell; 2 and 3 are idle
+    work = 3 * RT * 300 + 1  # more than 3 round trips for three train cells
+    # Nothing waits for admission, no batch may be dispatched (staleness): both idle cells go.
+    base = dict(outstanding=4, trainable=work, rate=50.0, live=live, step=3, version=1)
+    assert elastic(snap([R] * 4, **base), p).roles == (T, R, T, T)
+    # Executions waiting for admission: nobody is lent.
+    assert elastic(snap([R] * 4, running=2, **base), p).roles == (T, R, R, R)
+    # A batch may be dispatched: nobody is lent.
+    assert elastic(snap([R] * 4, **{**base, "step": 2}), p).roles == (T, R, R, R)
+    # Not enough work to repay the round trips: nobody is lent.
+    assert elastic(snap([R] * 4, **{**base, "trainable": 100.0}), p).roles == (T, R, R, R)
+    # A cell with live requests is never lent, and neither is the base's first rollout cell.
+    busy = {**base, "live": [0, 0, 5, 0]}
+    assert elastic(snap([R] * 4, **busy), p).roles == (T, R, R, T)
 
 
 def test_policy_params_bounds():
@@ -242,12 +302,13 @@ def test_snapshot_validation():
 
 
 snapshots = st.builds(
-    lambda roles, out, q, live, cap, tp, step, lag, share, rolled: snap(
+    lambda roles, out, q, live, cap, tp, step, lag, share, rolled, rate: snap(
         roles,
         outstanding=out,
         queue=q,
         trainable=q * share,
         rolled_out=rolled,
+        rate=rate,
         live=live[: len(roles)] + [0] * (len(roles) - len(live)),
         cap=cap,
         tp=tp,
@@ -264,6 +325,7 @@ snapshots = st.builds(
     st.integers(0, 3),
     st.sampled_from([0.0, 0.5, 1.0]),
     st.booleans(),
+    st.sampled_from([0.0, 50.0, 1e4]),
 )
 
 

@@ -165,6 +165,28 @@ def test_elastic_hands_over_without_losing_or_duplicating_tokens():
         assert tokens == pytest.approx(by_id[ex_id].train_tokens, rel=1e-9)
 
 
+@pytest.mark.parametrize("memory", [False, True])
+@pytest.mark.parametrize("train_scale", [1.0, 10.0])
+def test_elastic_never_loses_to_a_fixed_split_beyond_its_switch_costs(memory, train_scale):
+    # A fixed split is a special case of an elastic policy: on a small grid (no memory model /
+    # KV pools, light / heavy training) elastic's equal-work time is within one switch round
+    # trip per step of the best fixed split, the most its role moves can put on a step's
+    # critical path.
+    steps = small_workload(seed=0, steps=4)
+    base = MEM if memory else COST
+    cost = dataclasses.replace(base, train_per_token_s=base.train_per_token_s * train_scale)
+    full = sum(ex.train_tokens for batch in steps for ex in batch)
+
+    def equal_work_s(policy, params):
+        r = simulate(steps, 4, policy, cost, params)
+        assert r.end_counts == {i: 1 for i in all_ids(steps)}
+        return r.makespan_s * full / r.counters["trained_tokens"]
+
+    best = min(equal_work_s("async", PolicyParams(async_rollout_cells=k)) for k in (1, 2, 3))
+    round_trip = cost.switch_r2t_s + cost.switch_t2r_s
+    assert equal_work_s("elastic", PolicyParams()) <= best + len(steps) * round_trip
+
+
 def test_async_dispatch_respects_staleness_bound():
     steps = small_workload(seed=1, steps=5)
     for k in (0, 1):

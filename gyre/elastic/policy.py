@@ -38,6 +38,10 @@ class LoadSnapshot:
       (micro-batches in flight excluded).
     rolled_out: every execution of the oldest untrained step has ended, so its remaining
       tokens gate its optimizer step (and, through the staleness bound, the next dispatch).
+    rollout_tokens_per_s: measured rate at which rollout hands tokens to training, cluster
+      wide: the tokens of every execution ended so far / the seconds since the first
+      execution was admitted (0 until one has ended). With ``train_throughput`` it sizes the
+      train cells ``elastic`` holds (the train work per second, in cells).
     """
 
     roles: tuple[str, ...]
@@ -56,6 +60,7 @@ class LoadSnapshot:
     next_batch: int = 0
     trainable_tokens: float = 0.0
     rolled_out: bool = False
+    rollout_tokens_per_s: float = 0.0
 
     def __post_init__(self):
         k = len(self.roles)
@@ -71,6 +76,10 @@ class LoadSnapshot:
         if not self.trainable_tokens >= 0:
             raise ValueError(
                 f"LoadSnapshot.trainable_tokens must be >= 0, got {self.trainable_tokens}"
+            )
+        if not self.rollout_tokens_per_s >= 0:
+            raise ValueError(
+                f"LoadSnapshot.rollout_tokens_per_s must be >= 0, got {self.rollout_tokens_per_s}"
             )
         if not 0 <= self.finished <= self.started <= self.dispatched:
             raise ValueError(
@@ -224,8 +233,9 @@ def elastic_memory(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) ->
     return Allocation(tuple(roles), reason, dispatch)
 
 
-def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
-    """Throughput rule: every cell decodes unless trainable work claims it.
+def elastic_throughput(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """Throughput rule (issue 33's first pass, kept as an ablation; ``elastic`` uses it until
+    the rollout rate is measured): every cell decodes unless trainable work claims it.
 
     Leave: rollout cells in the order core first, then fewest live requests, leave while the
     trainable tokens keep every train cell (this one included) busy for more than
@@ -288,9 +298,75 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     return Allocation(tuple(roles), reason, dispatch)
 
 
+# Relative noise of the measured train throughput (a running mean over micro-batches whose
+# contexts differ) that the base split ignores: it keeps its train cells while they are
+# within this band of the measured need, so that it does not flap between two splits.
+BASE_BAND = 0.2
+
+
+def base_train_cells(snap: LoadSnapshot) -> int:
+    """Train cells the measured figures call for, in [1, K - 1]; 0 while either figure is
+    unmeasured or with one cell. Need x = rollout_tokens_per_s / mean train_throughput (the
+    cells training must run to keep pace with rollout). The current base (the leading train
+    cells) stays while ``x (1 - BASE_BAND) <= n < x (1 + BASE_BAND) + 1``, else ceil(x)."""
+    k = snap.num_cells
+    tp = sum(snap.train_throughput) / k
+    if k < 2 or snap.rollout_tokens_per_s <= 0 or tp <= 0:
+        return 0
+    x = snap.rollout_tokens_per_s / tp
+    n = next((i for i, r in enumerate(snap.roles) if r != TRAIN), k)
+    if not x * (1 - BASE_BAND) <= n < x * (1 + BASE_BAND) + 1:
+        n = math.ceil(x - 1e-9)
+    return min(max(n, 1), k - 1)
+
+
+def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
+    """A measured base split, and idle rollout cells lent to training.
+
+    Base: the first ``base_train_cells`` cells (the core among them) train, so that training
+    keeps pace with the rate at which rollout hands it tokens, both measured; the rest roll
+    out. Until the rate is measured (no execution has ended) the throughput rule decides.
+    Lend: a rollout cell with no live request goes to training while no execution waits for
+    admission (none dispatched and not started, no batch about to be dispatched) and the
+    trainable tokens keep the train cells, it included, busy for more than
+    ``leave_round_trips`` switch round trips (one once the oldest step has rolled out); a
+    lent cell stays lent while trainable work is left and nothing waits, then returns. Cell
+    n, the base's first rollout cell, is never lent.
+    Only a cell with no live request is lent, to a role with work waiting: the policy is the
+    base split plus work the split would leave undone, at the cost of the switches and of
+    handing over the lent cell's idle contexts.
+    """
+    k = snap.num_cells
+    n = base_train_cells(snap)
+    if n == 0:
+        return elastic_throughput(snap, params)
+    dispatch = _may_dispatch(snap, params.max_staleness)
+    roles = [TRAIN] * n + [ROLLOUT] * (k - n)
+    waiting = snap.dispatched > snap.started or (dispatch and snap.next_batch > 0)
+    work, lent = snap.trainable_tokens, []
+    if work > 0 and not waiting:
+        round_trip = snap.switch_r2t_s + snap.switch_t2r_s
+        need_s = round_trip * (1.0 if snap.rolled_out else params.leave_round_trips)
+        train_tp = sum(snap.train_throughput[:n])
+        # Cell n (the base's first rollout cell) is never lent: it always rolls out, and it
+        # marks where the base ends in the roles the next snapshot carries.
+        for i in range(n + 1, k):
+            if snap.live_requests[i]:
+                continue
+            if snap.roles[i] == TRAIN or work / (train_tp + snap.train_throughput[i]) > need_s:
+                roles[i] = TRAIN
+                train_tp += snap.train_throughput[i]
+                lent.append(i)
+    reason = f"measured split {n} train / {k - n} rollout"
+    if lent:
+        reason += f"; idle cells {lent} lent to training ({work:.0f} tokens trainable)"
+    return Allocation(tuple(roles), reason, dispatch)
+
+
 POLICIES = {
     "colocate": colocate,
     "async": async_split,
     "elastic": elastic,
+    "elastic_throughput": elastic_throughput,
     "elastic_memory": elastic_memory,
 }

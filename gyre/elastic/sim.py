@@ -34,7 +34,8 @@ Model (every approximation is one line here, so results can be read against it):
   throughput = a running mean (weight 0.3) of the micro-batches' tokens / seconds, attention
   included (before the first: a full micro-batch at the queued tokens' mean context);
   trainable tokens = the oldest step's full micro-batches queued (all of its queue once its
-  rollout is done; per task group under ``pack_by_group``), in-flight ones excluded.
+  rollout is done; per task group under ``pack_by_group``), in-flight ones excluded;
+  rollout rate = tokens of the executions ended so far / seconds since the first admission.
 
 Memory (``kv_capacity_tokens > 0``; otherwise the prefix cache is global, unlimited and free):
 - A cell holds KV for ``kv_capacity_tokens`` tokens (weights and a reserve already taken out:
@@ -247,6 +248,7 @@ class Simulator:
         self.open_es: set = set()  # dispatched executions not yet ended
         self.decode_time = self.batch_time = 0.0
         self.train_tps: float | None = None  # measured tokens/s per train cell
+        self.ended_tokens, self.first_start = 0.0, None  # the measured rollout rate
 
     def _need(self, call) -> float:
         """KV tokens a call reserves while live (the engine's footprint under engine_pool)."""
@@ -361,7 +363,14 @@ class Simulator:
             next_batch=len(self.steps[s]) if s < len(self.steps) else 0,
             trainable_tokens=trainable,
             rolled_out=rolled_out,
+            rollout_tokens_per_s=self._rollout_tps(),
         )
+
+    def _rollout_tps(self) -> float:
+        """Tokens of the executions ended so far / seconds since the first admission."""
+        if self.first_start is None or self.t <= self.first_start:
+            return 0.0
+        return self.ended_tokens / (self.t - self.first_start)
 
     def _trainable(self) -> tuple[float, bool]:
         """(tokens of the oldest step a train cell could take now, its rollout is done)."""
@@ -468,6 +477,8 @@ class Simulator:
         es = req.ex
         if not es.started:
             es.started, es.start = True, self.t
+            if self.first_start is None:
+                self.first_start = self.t
             self.started += 1
             self._push(self.t + es.ex.timeout_s, Timeout(es))
         self.memory.admitted(c, req)
@@ -690,6 +701,7 @@ class Simulator:
             self.queue[step] += es.tokens
             self.queue_ctx[step] += es.tok_ctx
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
+        self.ended_tokens += es.tokens
         self.end_counts[es.ex.execution_id] += 1
         self.memory.ended(es)
         self._try_train()

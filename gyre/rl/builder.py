@@ -1,7 +1,7 @@
 """The experiment builder: the config becomes frozen specs once, the specs become the parts.
 
     specs = build_specs(cfg)              # run.py, once: the config's only reader
-    rt = build_runtime(specs, workdir)    # an entry (gyre/rl/experiment.py), from the specs    # cells, env, weights, trainer (or its restore), engines
+    rt = build_runtime(specs, workdir)    # an entry: cells, env, weights, trainer, engines
     ctrl = Controller(rt)                 # gyre/rl/controller.py: schedules only
 
 Every spec is a frozen dataclass owned by its part (ModelSpec by the decoder, TrainerSpec by
@@ -48,7 +48,7 @@ class ConfigKeys:
     instead of a setting that validates and does nothing."""
 
     def __init__(self, cfg):
-        self.values = _flat(cfg.to_dict())
+        self.values = flat_keys(cfg.to_dict())
         self.read: set[str] = set()
 
     def __getitem__(self, key: str):
@@ -65,11 +65,12 @@ class ConfigKeys:
         return sorted(set(self.values) - self.read)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_keys(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a ConfigDict's to_dict()) as flat 'section.key' -> value."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -214,7 +215,7 @@ def _build(keys: ConfigKeys) -> Specs:
         run=keys.pick(
             RunSpec,
             "run",
-            policy=keys["scheduler.policy"],
+            scheduler_policy=keys["scheduler.policy"],
             handover=keys["scheduler.handover"],
             switch_cost_s=keys["scheduler.switch_cost_s"],
             checkpoint_every=keys["train.checkpoint_every"],

@@ -2,10 +2,12 @@
 
 One asyncio loop drives everything on the host:
 
-- the proxy's pump task steps the rollout engines of the rollout cells;
-- each dispatched step runs its executions through the harness (one coroutine per execution,
-  grouped by task); a finished group is packed into the step's micro-batch queue at once
-  (gyre/rl/work.py), so training streams while other executions still roll out;
+- the proxy's pump task steps the rollout engines of the rollout cells (a background task,
+  gyre/rl/tasks.py: its error ends the run at once);
+- each dispatched step runs its executions through the harness (gyre/rl/rollouts.py: one
+  coroutine per execution, grouped by task); a finished group is packed into the step's
+  micro-batch queue at once (gyre/rl/work.py), so training streams while other executions
+  still roll out;
 - at every decision point the loop asks the scheduler policy for an allocation and applies it
   (a cell leaving rollout hands its live requests over through the proxy; a cell joining
   rollout gets the current weights), dispatches the next step when the policy allows (its
@@ -24,7 +26,7 @@ import asyncio
 import collections
 import time
 
-from gyre.elastic import policy as policies
+from gyre.elastic.policy import POLICIES, LoadSnapshot
 from gyre.errors import CellLost
 from gyre.rl import evaluation
 from gyre.rl.evaluation import Notifying
@@ -48,7 +50,7 @@ class Controller:
     def __init__(self, rt, scheduler_policy=None, timeline=None, after_microbatch=None,
                  should_stop=None, on_progress=None):  # fmt: skip
         self.rt, self.specs, self.trainer, self.proxy = rt, rt.specs, rt.trainer, rt.proxy
-        self.scheduler_policy = scheduler_policy or policies.POLICIES[self.specs.run.policy]
+        self.scheduler_policy = scheduler_policy or POLICIES[self.specs.run.scheduler_policy]
         self.after_microbatch, self.should_stop = after_microbatch, should_stop or (lambda: False)
         self.on_progress = on_progress or (lambda: None)
         self.roles = ["rollout"] * len(rt.cells)
@@ -82,14 +84,14 @@ class Controller:
         """The step being trained (a later step's gradients need the weights its update lands)."""
         return self.steps[min(self.steps)] if self.steps else None
 
-    def snapshot(self) -> policies.LoadSnapshot:
+    def snapshot(self) -> LoadSnapshot:
         """The scheduler policy's view of the cells still alive, every figure measured
         (gyre/rl/measure.py, the KV pools)."""
         run, alive, oldest = self.specs.run, self.alive(), self.oldest()
         pick = lambda xs: tuple(xs[i] for i in alive)
         live = self.proxy.live_requests()
         queued = oldest.queued_tokens if oldest else 0.0  # all trainable now: a part per group
-        return policies.LoadSnapshot(
+        return LoadSnapshot(
             roles=pick(self.roles),
             **{k: self.counters[k] for k in ("dispatched", "started", "finished")},
             live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
@@ -226,7 +228,7 @@ class Controller:
                     await asyncio.sleep(0)  # let rollout progress between micro-batches
                     continue
                 if not self.steps:
-                    raise RuntimeError(f"scheduler {self.specs.run.policy!r} made no progress: "
+                    raise RuntimeError(f"scheduler {self.specs.run.scheduler_policy!r} made no progress: "
                                        f"roles {self.roles}, reason {alloc.reason!r}")  # fmt: skip
                 self.wake.clear()
                 await self.wake.wait()

@@ -153,7 +153,7 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
     timeline = RoleTimeline.load(rt.path("timeline.json"), len(rt.cells))
     summary: dict = {k: v for k, v in previous.items()
                      if k in ("warm_start", "eval_start", "eval_start_outcomes")}  # fmt: skip
-    summary.update(name=specs.name, scheduler=specs.run.policy, cells=len(rt.cells),
+    summary.update(name=specs.name, scheduler=specs.run.scheduler_policy, cells=len(rt.cells),
                    eval_temperature=specs.eval.temperature)  # fmt: skip
 
     def save_summary() -> None:

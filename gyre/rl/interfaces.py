@@ -29,9 +29,6 @@ class Trainer(Protocol):
         """The update from a step's (part, GradResult) pairs, each part rescaled from its
         own loss normaliser ``counts[part]`` to the step's -> StepOutcome."""
 
-    def params_for(self, cell, role: str = "train"):
-        """The newest weights in ``cell``'s layout for ``role``."""
-
 
 class Cell(Protocol):
     """A slice of the devices (:class:`gyre.mesh.Cell`, ``RemoteCell``)."""

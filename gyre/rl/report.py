@@ -17,7 +17,7 @@ def where_line(rt, workdir: str) -> str:
     actors = f" in {s.cluster.actors} Ray actors" if s.cluster.backend == "ray" else ""
     return (f"{s.name}: {n} {cells[0].platform} device(s) as {len(cells)} cell(s) of "
             f"{cells[0].size}{actors}, "
-            f"{s.run.policy} scheduler, {s.run.steps} RL steps of {s.run.tasks_per_step} tasks x "
+            f"{s.run.scheduler_policy} scheduler, {s.run.steps} RL steps of {s.run.tasks_per_step} tasks x "
             f"{s.run.samples_per_task} samples, env {s.env.name}; workdir {workdir}")  # fmt: skip
 
 
@@ -25,7 +25,8 @@ def where_now(ctrl) -> str:
     """Where the RL loop stands, for the watchdog's message."""
     return (f"weights at version {ctrl.trainer.version}, steps in flight {sorted(ctrl.steps)}, "
             f"executions finished {ctrl.counters['finished']} of "
-            f"{ctrl.counters['dispatched']} dispatched, roles {ctrl.roles}")  # fmt: skip
+            f"{ctrl.counters['dispatched']} dispatched, {sum(ctrl.proxy.live_requests())} live "
+            f"model requests, roles {ctrl.roles}")  # fmt: skip
 
 
 def rl_status(ctrl, first_version: int, elapsed: float) -> str:

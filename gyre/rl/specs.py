@@ -25,12 +25,13 @@ from gyre.trajectory.batch import TrajectorySpec
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """What the controller runs: ``steps`` RL steps of tasks_per_step x samples_per_task
-    executions under ``policy``; ``seed`` keys every step's tasks."""
+    executions under ``scheduler_policy`` (a name in gyre/elastic/policy.py POLICIES);
+    ``seed`` keys every step's tasks."""
 
     steps: int
     tasks_per_step: int
     samples_per_task: int
-    policy: str = "elastic"
+    scheduler_policy: str = "elastic"
     handover: str = "migrate"
     switch_cost_s: float = 0.0
     checkpoint_every: int = 1

@@ -48,7 +48,7 @@ class StepWork:
     @property
     def queued_tokens(self) -> float:
         """Trainable tokens waiting in the queue (the policy's train load)."""
-        return sum(float(np.sum(mb.arrays["w"] > 0)) for _, mb in self.queue)
+        return sum(mb.trainable_tokens for _, mb in self.queue)
 
     def add_group(self, results: list[ExecutionResult], spec: TrajectorySpec) -> None:
         """Packs one finished group and queues its micro-batches as a new part."""
