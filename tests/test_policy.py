@@ -231,6 +231,16 @@ def test_elastic_holds_the_measured_split_and_uses_the_throughput_rule_before():
     assert elastic(snap([R] * 4, outstanding=8, live=[2] * 4), p) == b
 
 
+def test_on_policy_runs_keep_the_throughput_rule_whatever_is_measured():
+    """With max_staleness 0 a step trains only after its rollout: a standing split would idle
+    its train cells through every rollout, so elastic time-shares every cell instead."""
+    p = PolicyParams(max_staleness=0)
+    for s in (snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4),
+              snap([T] * 4, outstanding=0, trainable=BIG_QUEUE, rate=150.0, rolled_out=True)):  # fmt: skip
+        assert elastic(s, p) == elastic_throughput(s, p)
+    assert elastic(snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4), p).roles == (R,) * 4
+
+
 def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
     p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
     live = [0, 3, 0, 0]  # cell 1 is the base's first rollout cell; 2 and 3 are idle

@@ -325,7 +325,9 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
 
     Base: the first ``base_train_cells`` cells (the core among them) train, so that training
     keeps pace with the rate at which rollout hands it tokens, both measured; the rest roll
-    out. Until the rate is measured (no execution has ended) the throughput rule decides.
+    out. Until the rate is measured (no execution has ended), and always when steps may not
+    overlap (``max_staleness`` 0: a step trains only once its rollout is done, so a standing
+    split would idle its train cells through every rollout), the throughput rule decides.
     Lend: a rollout cell with no live request goes to training while no execution waits for
     admission (none dispatched and not started, no batch about to be dispatched) and the
     trainable tokens keep the train cells, it included, busy for more than
@@ -337,7 +339,7 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     handing over the lent cell's idle contexts.
     """
     k = snap.num_cells
-    n = base_train_cells(snap)
+    n = base_train_cells(snap) if params.max_staleness > 0 else 0
     if n == 0:
         return elastic_throughput(snap, params)
     dispatch = _may_dispatch(snap, params.max_staleness)
