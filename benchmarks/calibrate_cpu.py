@@ -57,7 +57,7 @@ def setup(cfg, workdir: str) -> None:
     from gyre.config import validate
 
     validate(cfg)
-    run.setup_devices(cfg)
+    run.setup_devices(cfg.mesh.cpu_devices)
     from gyre.cache import cache_dir
 
     mesh.enable_compilation_cache(cache_dir("xla", cfg.mesh.cache_dir))
@@ -181,7 +181,7 @@ def time_step(ctrl, mb, repeats: int):
         jax.block_until_ready(ctrl.trainer.params)
         t1 = time.perf_counter()
         ctrl.proxy.set_weights(ctrl.trainer.params, ctrl.trainer.version)
-        jax.block_until_ready([e.weights for e in ctrl.proxy.engines.values()])
+        ctrl.proxy.wait_ready(ctrl.proxy.engines)
         t2 = time.perf_counter()
         ctrl.trainer.save(ctrl.rt.checkpointer, {"next_step": ctrl.trainer.version}, wait=True)
         t3 = time.perf_counter()
@@ -191,14 +191,13 @@ def time_step(ctrl, mb, repeats: int):
 
 
 def time_switch(ctrl, repeats: int):
-    import jax
 
     rows, k = [], len(ctrl.rt.cells)
     for _ in range(repeats):
         for roles in (["train"] + ["rollout"] * (k - 1), ["rollout"] * k):
             t = time.perf_counter()
             ctrl.apply_roles(roles)
-            jax.block_until_ready([e.weights for e in ctrl.proxy.engines.values()])
+            ctrl.proxy.wait_ready(ctrl.proxy.engines)
             rows.append({"seconds": time.perf_counter() - t, "to": roles[0]})
     return rows
 

@@ -3,6 +3,7 @@
     python benchmarks/sim_vs_real.py                       # 16 steps x 4 tasks x 2 samples
     python benchmarks/sim_vs_real.py --calibration isolated   # or cpu_measured (a file)
     python benchmarks/sim_vs_real.py --kv-limited          # a KV pool that evicts (see 5.)
+    python benchmarks/sim_vs_real.py --kv-limited --admission resident   # (see 6.)
 
 1. Calibrates (default ``in-situ``): a first controller run with another seed (other tasks)
    is timed program by program where the programs really run, beside the other cell, the
@@ -26,6 +27,13 @@
    pool rule (``sim.simulate(..., engine_pool=(max_new_tokens, max_len))``, pool =
    ``kv_tokens``, slots = ``rollout.slots``) and also compares the run's total evictions
    (``Proxy.kv_stats()['kv_evictions']``, every step) with the simulated ones.
+
+6. ``--admission resident``: both runs set ``rollout.admission`` (gyre/rollout/proxy.py:
+   an execution's calls stay on the cell that admitted it, with a KV reservation that grows
+   with its context). The replay sets ``CostModel.resident_admission``; where the simulator
+   does not model it with the engine's pool rule, the prediction is made without it and the
+   output says so (``sim_admission``: false), beside the token-pool model with admission
+   (``predicted_token_pools_s``, no engine pool rule).
 
 Prints a per-step table; the last line is one JSON object.
 """
@@ -122,6 +130,9 @@ def run_real(cfg, workdir: str, probe: Probe) -> tuple[list[float], object]:
 
     probe.reset()
     rt = build_runtime(build_specs(cfg), workdir)
+    if rt.proxy.admission != cfg.rollout.admission:
+        raise SystemExit(f"the proxy admits by {rt.proxy.admission!r}, not "
+                         f"{cfg.rollout.admission!r}: gyre/rl/builder.py must pass it")  # fmt: skip
     ctrl = Controller(rt)
     ends: list[float] = []
     t0 = time.perf_counter()
@@ -166,16 +177,29 @@ def calibrate_in_situ(cfg, args, probe: Probe, base):
     return fit_probe(probe, trace, base, source), float(ends[-1] - ends[0])
 
 
-def predict(cfg, steps: list, num_cells: int, cost):
+def predict(cfg, steps: list, num_cells: int, cost, engine_pool: bool = True):
     """Simulates the recorded executions under the run's own policy and parameters (with the
-    engine's KV pool rule when ``cost`` has a memory model)."""
+    engine's KV pool rule when ``cost`` has a memory model, unless ``engine_pool`` is False)."""
     from gyre.elastic import sim
     from gyre.rl.builder import build_specs
 
     pool = (cfg.rollout.max_new_tokens, cfg.rollout.max_len) if cost.memory else None
     return sim.simulate(
-        steps, num_cells, cfg.scheduler.policy, cost, build_specs(cfg).policy, engine_pool=pool
-    )
+        steps, num_cells, cfg.scheduler.policy, cost, build_specs(cfg).scheduler,
+        engine_pool=pool if engine_pool else None,
+    )  # fmt: skip
+
+
+def predict_admission(cfg, steps: list, num_cells: int, cost):
+    """The prediction with the run's admission -> (result, whether the simulator modelled the
+    admission, the simulator's reason where it did not)."""
+    if cfg.rollout.admission != "resident":
+        return predict(cfg, steps, num_cells, cost), True, ""
+    try:
+        with_adm = dataclasses.replace(cost, resident_admission=True)
+        return predict(cfg, steps, num_cells, with_adm), True, ""
+    except ValueError as exc:  # not modelled with the engine's pool rule
+        return predict(cfg, steps, num_cells, cost), False, str(exc)
 
 
 def within(err: float) -> bool:
@@ -194,6 +218,8 @@ def main() -> None:
     ap.add_argument("--kv-limited", dest="kv_limited", action="store_true",
                     help="a KV pool of --kv_tokens per cell (evictions); compares them too")  # fmt: skip
     ap.add_argument("--kv_tokens", type=int, default=96, help="rollout.kv_tokens with --kv-limited")
+    ap.add_argument("--admission", default="none", choices=("none", "resident"),
+                    help="rollout.admission of both runs (and of the replay where modelled)")  # fmt: skip
     args = ap.parse_args()
     cfg = tiny_config(args.cell_size, args.cache_dir)
     cfg.run.steps, cfg.run.tasks_per_step = args.steps, args.tasks
@@ -202,6 +228,7 @@ def main() -> None:
     cfg.rollout.decode_steps = 1
     if args.kv_limited:
         cfg.rollout.kv_tokens = args.kv_tokens
+    cfg.rollout.admission = args.admission
     workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_")
     setup(cfg, workdir)
     from gyre.elastic import calibration, workload
@@ -226,9 +253,9 @@ def main() -> None:
         )  # fmt: skip
 
     ends, ctrl = run_real(cfg, workdir, probe)
-    kv_real = ctrl.proxy.kv_stats()
+    kv_real, adm_real = ctrl.proxy.kv_stats(), ctrl.proxy.admission_stats()
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    res = predict(cfg, steps, len(ctrl.rt.cells), cost)
+    res, sim_adm, why = predict_admission(cfg, steps, len(ctrl.rt.cells), cost)
     measured, predicted = np.diff(ends), np.diff(res.step_end_s)
     spent = [r["engine_s"] + r["train_s"] + r["checkpoint_s"] for r in probe.steps]
     calls = [sum(len(ex.calls) for ex in b) for b in steps]
@@ -236,13 +263,18 @@ def main() -> None:
     # The model fitted on this run's own timings: its error is the model's structure alone,
     # without the drift of the programs' speed between two runs.
     own = fit_probe(probe, steps, cost, "this run")
-    own_p = float(np.diff(predict(cfg, steps, len(ctrl.rt.cells), own).step_end_s).sum())
+    own_res = predict_admission(cfg, steps, len(ctrl.rt.cells), own)[0]
+    own_p = float(np.diff(own_res.step_end_s).sum())
     print(f"real run: {len(ctrl.rt.cells)} cells, policy {cfg.scheduler.policy}, calibration "
           f"{args.calibration!r} ({cost.source})")  # fmt: skip
     print("cost model (ms): " + ", ".join(
         f"{k} {getattr(cost, k) * 1e3:.3f}" for k in (
             "decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "prefill_call_s",
             "microbatch_s", "optimizer_s", "publish_s", "checkpoint_s")))  # fmt: skip
+    if args.admission != "none":
+        print(f"admission {args.admission!r}: real run preempted {adm_real['preemptions']}, "
+              f"expired {adm_real['expired']}; the replay "
+              + ("models it" if sim_adm else f"does NOT model it ({why}): predicted without it"))  # fmt: skip
     print(f"step 0 (not compared: includes program load): measured {ends[0]:.3f} s, "
           f"simulated {res.step_end_s[0]:.3f} s")  # fmt: skip
     print(f"{'step':>4} {'execs':>5} {'calls':>5} {'tokens':>6} {'measured s':>10} "
@@ -273,7 +305,7 @@ def main() -> None:
     if args.kv_limited:
         ev_real, ev_sim = int(kv_real["kv_evictions"]), int(res.counters["evictions"])
         ev_err = (ev_sim - ev_real) / ev_real if ev_real else float(ev_sim > 0)
-        ev_own = int(predict(cfg, steps, len(ctrl.rt.cells), own).counters["evictions"])
+        ev_own = int(own_res.counters["evictions"])
         print(f"KV pool {args.kv_tokens} tokens per cell: evictions (all steps) measured {ev_real}"
               f", predicted {ev_sim}, error {ev_err:+.1%}; re-prefilled tokens measured "
               f"{int(kv_real['kv_reprefilled_tokens'])}, predicted "
@@ -285,6 +317,18 @@ def main() -> None:
               "reprefilled_real": int(kv_real["kv_reprefilled_tokens"]),
               "reprefilled_sim": int(res.counters["reprefill_tokens"]),
               "kv_within_15pct": bool(within(err) and within(ev_err))}  # fmt: skip
+    if args.admission != "none":
+        kv |= {"admission": args.admission, "sim_admission": sim_adm,
+               "preemptions_real": adm_real["preemptions"], "expired_real": adm_real["expired"]}  # fmt: skip
+        if args.kv_limited and not sim_adm:  # the token-pool model, which does model it
+            tp = predict(cfg, steps, len(ctrl.rt.cells),
+                         dataclasses.replace(cost, resident_admission=True), engine_pool=False)  # fmt: skip
+            tp_s = float(np.diff(tp.step_end_s).sum())
+            print(f"token-pool model with admission (no engine pool rule): predicted {tp_s:.3f} s "
+                  f"({(tp_s - total_m) / total_m:+.1%}), evictions {int(tp.counters['evictions'])}")  # fmt: skip
+            kv |= {"predicted_token_pools_s": round(tp_s, 4),
+                   "token_pools_rel_error": round((tp_s - total_m) / total_m, 4),
+                   "evictions_token_pools": int(tp.counters["evictions"])}  # fmt: skip
     print(json.dumps({
         "steps_compared": len(measured), "cells": len(ctrl.rt.cells),
         "measured_s": round(total_m, 4), "predicted_s": round(total_p, 4),

@@ -14,10 +14,13 @@ import math
 
 import ml_collections
 
+from gyre.cluster.spec import BACKENDS
 from gyre.elastic.policy import POLICIES
 from gyre.envs.registry import ENVIRONMENTS
 from gyre.errors import ConfigError
-from gyre.rollout.types import CPU_VECTOR_WIDTHS, HANDOVERS
+from gyre.model.attention import IMPLS
+from gyre.model.decoder import DTYPES
+from gyre.rollout.types import ADMISSIONS, CPU_VECTOR_WIDTHS, HANDOVERS
 from gyre.trajectory.advantages import LOSS_MODES, REWARDS
 from gyre.trajectory.batch import PACKINGS
 
@@ -118,6 +121,11 @@ def default_config() -> ml_collections.ConfigDict:
     # 0 = derived: slots * max_len on CPU; on an accelerator, device memory minus the cell's
     # weights minus a reserve (capped at slots * max_len, the memory actually allocated).
     c.rollout.kv_tokens = 0
+    # How the proxy admits calls (gyre/rollout/proxy.py): "none" = each call on its own (idle
+    # contexts evicted LRU when the pool is short); "resident" = an execution's next call is
+    # admitted to its cell only while its context can stay resident there, with a reservation
+    # that grows with the context; calls of admitted executions go before new executions.
+    c.rollout.admission = "none"
 
     c.agent = ml_collections.ConfigDict()
     c.agent.max_calls = 64
@@ -312,10 +320,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "scheduler.policy", tuple(POLICIES))
     _check_choice(cfg, "scheduler.handover", HANDOVERS)
     _check_choice(cfg, "env.name", tuple(ENVIRONMENTS))
-    _check_choice(cfg, "model.attention", ("block_sparse", "dense"))
-    _check_choice(cfg, "cluster.backend", ("local", "ray"))
-    _check_choice(cfg, "model.dtype", ("float32", "bfloat16"))
+    _check_choice(cfg, "model.attention", IMPLS)
+    _check_choice(cfg, "cluster.backend", BACKENDS)
+    _check_choice(cfg, "model.dtype", DTYPES)
     _check_choice(cfg, "rollout.cpu_vector_width", CPU_VECTOR_WIDTHS)
+    _check_choice(cfg, "rollout.admission", ADMISSIONS)
     # Checks that need one part's settings only live in that part's spec (ModelSpec,
     # TrajectorySpec, TrainerSpec, ...) and in mesh.make_cells: the builder turns their errors
     # into ConfigErrors. Checked here: what crosses two sections.

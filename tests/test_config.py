@@ -105,6 +105,7 @@ CHOICE_OWNERS = {
     "scheduler.handover": ("gyre.rollout.types", "HANDOVERS"),
     "env.name": ("gyre.envs.registry", "ENVIRONMENTS"),
     "rollout.cpu_vector_width": ("gyre.rollout.types", "CPU_VECTOR_WIDTHS"),
+    "rollout.admission": ("gyre.rollout.types", "ADMISSIONS"),
     "model.attention": ("gyre.model.attention", "IMPLS"),
     "model.dtype": ("gyre.model.decoder", "DTYPES"),
     "cluster.backend": ("gyre.cluster.spec", "BACKENDS"),

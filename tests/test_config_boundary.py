@@ -37,6 +37,7 @@ CHANGED = {
     "rollout.kv_block": 64,
     "rollout.decode_steps": 4,
     "rollout.cpu_vector_width": 256,
+    "rollout.admission": "resident",
     "cluster.backend": "ray",
     "cluster.address": "auto",
     "env.name": "code",

@@ -142,8 +142,10 @@ def _fit_decode(dec: np.ndarray) -> tuple[float, ...]:
 def _decode_fields(meas: dict) -> dict:
     """The decode terms of a measured calibration (with per_max_ctx when every row has it)."""
     rows = meas.get("decode")
-    with_max = bool(rows) and isinstance(rows, list) and all(
-        isinstance(r, dict) and "context_max" in r for r in rows
+    with_max = (
+        bool(rows)
+        and isinstance(rows, list)
+        and all(isinstance(r, dict) and "context_max" in r for r in rows)
     )
     cols = ("batch", "context_tokens", "context_max", "step_s") if with_max else DECODE_COLS
     coef = _fit_decode(_rows(meas, "decode", cols))

@@ -389,7 +389,7 @@ def build_runtime(specs: Specs, workdir: str, params=None) -> Runtime:
             trainer, resumed = initial_trainer(specs, cells, graphdef, ckpt)
         engines = [Engine(specs.rollout, cell, trainer.params_for(cell, "rollout"),
                           trainer.version) for cell in cells]  # fmt: skip
-    proxy = Proxy(engines)
+    proxy = Proxy(engines, specs.rollout.admission)
     proxy.latest_weights = (trainer.params, trainer.version)
     return Runtime(specs, workdir, cells, env, graphdef, trainer, ckpt, proxy, resumed, cluster)
 

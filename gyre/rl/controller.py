@@ -58,9 +58,7 @@ class Controller:
         self.timeline.set_all("rollout")
         self.wake = asyncio.Event()
         self.tasks = Supervised(lambda: self.wake.set())
-        self.rollouts = Rollouts(self.specs, rt.env, self.proxy, self.timeline,
-                                 rt.path("trace.jsonl"), self.progress, self.tasks.start)  # fmt: skip
-        self.counters = self.rollouts.counters  # dispatched, started, finished
+        self.rollouts = Rollouts(rt, self.timeline, self.progress, self.tasks.start)
         self.handovers = collections.Counter()  # by path; and what lost cells cost
         self.steps: dict[int, StepWork] = {}
         self.next_step = self.trainer.version  # one optimizer step per RL step
@@ -93,11 +91,12 @@ class Controller:
         queued = oldest.queued_tokens if oldest else 0.0  # all trainable now: a part per group
         return LoadSnapshot(
             roles=pick(self.roles),
-            **{k: self.counters[k] for k in ("dispatched", "started", "finished")},
+            **{k: self.rollouts.counters[k] for k in ("dispatched", "started", "finished")},
             live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
             train_queue_tokens=queued,
             trainable_tokens=queued,
             rolled_out=bool(oldest) and oldest.groups_left == 0,
+            rollout_tokens_per_s=self.rollouts.tokens_per_s(),
             rollout_capacity=pick(self.proxy.capacity_contexts()),
             train_throughput=pick(self.figures.train_throughput()),
             switch_r2t_s=self.figures.switch_r2t_s,
@@ -120,7 +119,7 @@ class Controller:
                 self.handovers.update(self.proxy.release(i, self.specs.run.handover))
             else:
                 self.proxy.admit(i, self.trainer.params, self.trainer.version)
-            self.proxy.wait_ready(i)
+            self.proxy.wait_ready(None if role == "train" else [i])  # moved rows, or weights
             seconds = time.perf_counter() - t0
             self.figures.record_switch("r2t" if role == "train" else "t2r", seconds)
             self.roles[i] = role
@@ -204,7 +203,8 @@ class Controller:
     async def run(self, on_step=None) -> bool:
         """Runs until run.steps optimizer steps exist, or a requested stop after a step;
         ``await on_step(record)`` after each step. -> whether every step ran."""
-        self.wake = asyncio.Event()
+        self.wake, self.tasks.failure = asyncio.Event(), None  # a new loop: nothing carried over
+        self.rollouts.open()
         self.tasks.start(self.proxy.run())
         steps = self.specs.run.steps
         try:

@@ -7,12 +7,13 @@ change to for it (the controller applies them like any allocation, so the timeli
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
 
 from gyre.agent.context import AgentSettings
-from gyre.agent.harness import run_executions
+from gyre.agent.harness import run_execution
 from gyre.metrics import standard_error
 
 # Held-out tasks come from the task seed HELD_OUT_BASE + seed; training draws one task seed per
@@ -32,6 +33,40 @@ class Temperature:
             dataclasses.replace(request, temperature=self.temperature)
         )
 
+    def end_execution(self, execution_id: str) -> None:
+        end_execution(self.client, execution_id)
+
+
+def end_execution(client, execution_id: str) -> None:
+    """Tells ``client`` (the proxy, through any wrappers here) that an execution ended; a
+    client without ``end_execution`` (a test double) needs nothing."""
+    end = getattr(client, "end_execution", None)
+    if end is not None:
+        end(execution_id)
+
+
+async def run_ended(env, tasks: list, client, settings: AgentSettings) -> list:
+    """:func:`gyre.agent.harness.run_executions` (one execution per entry of ``tasks``, ids
+    '<task_id>#<n>', results in task order, at most ``concurrency`` in flight), telling the
+    client as each execution ends, so the proxy's admission releases its reservation then."""
+    settings = settings.for_env(env)
+    gate = asyncio.Semaphore(settings.concurrency)
+    seen: dict[str, int] = {}
+    ids = []
+    for task in tasks:
+        n = seen.get(task.task_id, 0)
+        seen[task.task_id] = n + 1
+        ids.append(f"{task.task_id}#{n}")
+
+    async def one(task, eid):
+        async with gate:
+            try:
+                return await run_execution(env, task, client, settings, eid)
+            finally:
+                end_execution(client, eid)
+
+    return list(await asyncio.gather(*(one(t, e) for t, e in zip(tasks, ids))))
+
 
 def required_roles(roles: tuple[str, ...]) -> tuple[str, ...]:
     """``roles`` with at least one rollout cell (the core's neighbours stay as they are)."""
@@ -48,7 +83,7 @@ async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: i
     # held-out twice over: seeds no training step draws, and the environment's eval split
     # (disjoint problems, where it has them)
     tasks = env.make_tasks(HELD_OUT_BASE + seed, num_tasks, split="eval")
-    res = await run_executions(env, tasks, Temperature(client, temperature), settings)
+    res = await run_ended(env, tasks, Temperature(client, temperature), settings)
     success = np.asarray([r.end_reason == "success" for r in res], np.float64)
     milestones = np.asarray([r.milestones / max(1, r.num_milestones) for r in res])
     return {
@@ -73,3 +108,6 @@ class Notifying:
         out = await self.client.generate(request)
         self.notify()
         return out
+
+    def end_execution(self, execution_id: str) -> None:
+        end_execution(self.client, execution_id)

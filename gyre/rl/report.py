@@ -24,8 +24,8 @@ def where_line(rt, workdir: str) -> str:
 def where_now(ctrl) -> str:
     """Where the RL loop stands, for the watchdog's message."""
     return (f"weights at version {ctrl.trainer.version}, steps in flight {sorted(ctrl.steps)}, "
-            f"executions finished {ctrl.counters['finished']} of "
-            f"{ctrl.counters['dispatched']} dispatched, {sum(ctrl.proxy.live_requests())} live "
+            f"executions finished {ctrl.rollouts.counters['finished']} of "
+            f"{ctrl.rollouts.counters['dispatched']} dispatched, {sum(ctrl.proxy.live_requests())} live "
             f"model requests, roles {ctrl.roles}")  # fmt: skip
 
 
@@ -33,8 +33,8 @@ def rl_status(ctrl, first_version: int, elapsed: float) -> str:
     """The live line of the RL loop: step, executions, micro-batches, roles, ETA."""
     steps, v = ctrl.specs.run.steps, ctrl.trainer.version
     roles = {r: ctrl.roles.count(r) for r in ("rollout", "train") if r in ctrl.roles}
-    return (f"RL step {min(v + 1, steps)}/{steps}: {ctrl.counters['finished']}/"
-            f"{ctrl.counters['dispatched']} executions finished, "
+    return (f"RL step {min(v + 1, steps)}/{steps}: {ctrl.rollouts.counters['finished']}/"
+            f"{ctrl.rollouts.counters['dispatched']} executions finished, "
             f"{ctrl.trainer.microbatches_done} micro-batches trained, cells "
             f"{', '.join(f'{k} {n}' for k, n in roles.items())}; "
             f"{eta(elapsed, v - first_version, steps - first_version)}")  # fmt: skip

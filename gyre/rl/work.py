@@ -50,8 +50,10 @@ class StepWork:
         """Trainable tokens waiting in the queue (the policy's train load)."""
         return sum(mb.trainable_tokens for _, mb in self.queue)
 
-    def add_group(self, results: list[ExecutionResult], spec: TrajectorySpec) -> None:
-        """Packs one finished group and queues its micro-batches as a new part."""
+    def add_group(self, results: list[ExecutionResult], spec: TrajectorySpec) -> float:
+        """Packs one finished group and queues its micro-batches as a new part -> the
+        trainable tokens it queued."""
+        queued = 0.0
         self.results += results
         packable = [r for r in results if r.records]
         if packable:
@@ -62,7 +64,9 @@ class StepWork:
                 self.part_counts.append(report.normaliser)
                 for mb in split_microbatches(batch, spec.rows_per_microbatch):
                     self.queue.append((part, mb))
+                    queued += mb.trainable_tokens
         self.groups_left -= 1
+        return queued
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,15 +17,17 @@ Multi-turn reuse: a finished slot keeps its tokens' KV as an idle *context* of i
 slot with the longest common token prefix, the slot is rewound to that prefix and only the
 suffix is prefilled (a retry resuming from an earlier point is the same rewind). Another
 execution's context counts for that choice only when the new prompt extends all of it;
-otherwise empty slots come first, then the least recently used context.
+otherwise empty slots come first, then the least recently used context (contexts the proxy
+pins, :attr:`Engine.pinned`, last).
 
 KV pool. Each cell has a budget of ``budget`` tokens (``rollout.kv_tokens``; 0 = derived, see
 :func:`pool_budget`). Its charge: a live request reserves its :func:`footprint` (prompt +
 ``max_new`` - 1: every token its slot can come to hold, the last sampled token is never fed
 back) from admission to its end; an idle context costs its cached length. Admission rule:
 a queued request enters a slot only when the live reservations plus its own fit the budget;
-idle contexts are then evicted, least recently used first, until live reservations plus
-idle lengths fit again. So the pool never overflows mid-decode, and a request that does not
+idle contexts are then evicted, least recently used first (pinned ones last: the proxy's
+resident admission, gyre/rollout/proxy.py), until live reservations plus idle lengths fit
+again. So the pool never overflows mid-decode, and a request that does not
 fit waits (FIFO: in the engine's queue, or in the proxy, which submits only what
 :meth:`Engine.can_admit`). A request whose footprint exceeds the whole budget is a
 ValueError at submission. An evicted execution that comes back prefills again what was
@@ -237,7 +239,6 @@ class Engine:
     back on another cell counts nothing here.
     """
 
-
     def __init__(self, spec: RolloutSpec, cell: gmesh.Cell, state, version: int = 0):
         r = spec
         self.cell, self.vocab_size = cell, spec.model.vocab_size
@@ -257,6 +258,9 @@ class Engine:
         self.recent: collections.deque[int] = collections.deque(maxlen=4 * r.slots)
         self.evicted: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self.on_admit: Callable[[int], None] | None = None  # called with a rid at admission
+        # Whether an execution's idle context is one to keep resident (the proxy's admission
+        # ledger, gyre/rollout/proxy.py): such contexts are evicted or cut last. None: plain LRU.
+        self.pinned: Callable[[str], bool] | None = None
         self.cache = None
         self.resume()
         self.budget = pool_budget(r.kv_tokens, self.cache, self.weights, cell.devices)
@@ -385,12 +389,17 @@ class Engine:
         slot.rewind(keep)
         slot.owner = None
 
+    def _pinned(self, slot: Slot) -> bool:
+        """Whether ``slot``'s idle context is one the proxy keeps resident (:attr:`pinned`)."""
+        return self.pinned is not None and slot.owner is not None and self.pinned(slot.owner)
+
     def _make_room(self, need: int, target: Slot) -> None:
-        """Evicts idle contexts but ``target``'s, least recently used first, until every other
-        slot's charge plus ``need`` (``target``'s reservation) fits the budget."""
+        """Evicts idle contexts but ``target``'s, least recently used first (pinned ones
+        last), until every other slot's charge plus ``need`` (``target``'s reservation) fits
+        the budget."""
         used = need + sum(s.charge for s in self.slots if s is not target)
         idle = [s for s in self.slots if s.live is None and s.length and s is not target]
-        for s in sorted(idle, key=lambda s: s.last_used):
+        for s in sorted(idle, key=lambda s: (self._pinned(s), s.last_used)):
             if used <= self.budget:
                 break
             used -= s.length
@@ -468,7 +477,8 @@ class Engine:
         idle = [i for i, s in enumerate(self.slots) if s.live is None]
         if len(idle) <= len(self.queue) or lv.reserve > self.room():
             raise RuntimeError(f"cell {self.cell.index}: no free slot or KV room to import request")
-        i = max(idle, key=lambda j: (self.slots[j].length == 0, -self.slots[j].last_used))
+        i = max(idle, key=lambda j: (self.slots[j].length == 0, not self._pinned(self.slots[j]),
+                                     -self.slots[j].last_used))  # fmt: skip
         slot = self.slots[i]
         if slot.length and slot.owner != me:
             self._evict(slot)
@@ -498,7 +508,7 @@ class Engine:
             s = self.slots[i]
             r = min(common_prefix(lv.prompt, s.held), lv.prompt.size - 1)
             lossless = s.owner == me or r == s.length
-            key = (r if lossless else 0, s.length == 0, -s.last_used)
+            key = (r if lossless else 0, s.length == 0, not self._pinned(s), -s.last_used)
             if best_key is None or key > best_key:
                 best, best_key, reuse = i, key, r
         slot = self.slots[best]

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gyre import mesh as gmesh
 from gyre.model import decoder as gdec
 from gyre.rollout import sampler
-from gyre.rollout.types import CPU_VECTOR_WIDTHS
+from gyre.rollout.types import ADMISSIONS, CPU_VECTOR_WIDTHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,12 @@ class RolloutSpec:
     # on CPU, device memory minus weights minus a reserve where the platform reports memory.
     # Not a shape: the programs ignore it (programs_for drops it from the jit cache key).
     kv_tokens: int = 0
+    # How the proxy admits calls (gyre/rollout/proxy.py): 'none' = each call on its own (a
+    # call goes where a slot and pool room are free; idle contexts are evicted LRU);
+    # 'resident' = an execution is admitted to one cell with a KV reservation that grows with
+    # its context (gyre/elastic/admission.py), so its context stays resident between calls;
+    # calls of admitted executions go first. Host-side: no program reads it.
+    admission: str = "none"
     # SIMD width XLA:CPU's emitted code prefers in these programs (:func:`compiler_options`):
     # -1 auto, 0 XLA's default, else 128/256/512 bits. Accelerators ignore it.
     cpu_vector_width: int = -1
@@ -59,6 +65,10 @@ class RolloutSpec:
             )
         if self.kv_block < -1:
             raise ValueError(f"rollout.kv_block must be -1 (auto), 0 or >= 1, got {self.kv_block}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(
+                f"rollout.admission must be one of {ADMISSIONS}, got {self.admission!r}"
+            )
         if self.kv_tokens < 0:
             raise ValueError(f"rollout.kv_tokens must be >= 0, got {self.kv_tokens}")
         if self.cpu_vector_width not in CPU_VECTOR_WIDTHS:
@@ -211,7 +221,13 @@ class Programs:
         def decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
             """One token for every slot; rows with start >= max_len write nowhere."""
             hidden, cache = gdec.forward_serving(
-                spec, weights, tokens_S[:, None], start_S[:, None], cache, None, start_S,
+                spec,
+                weights,
+                tokens_S[:, None],
+                start_S[:, None],
+                cache,
+                None,
+                start_S,
                 decode_block,
             )
             logits_SxV = gdec.serving_logits(spec, weights, hidden)[:, 0]
@@ -290,7 +306,18 @@ class Programs:
             decode_loop,
             donate_argnums=1,
             compiler_options=opts,
-            in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, stop_sh, vec, vec, vec, rep),
+            in_shardings=(
+                self.weights_sh,
+                self.cache_sh,
+                vec,
+                vec,
+                vec,
+                stop_sh,
+                vec,
+                vec,
+                vec,
+                rep,
+            ),
             out_shardings=(self.cache_sh, mat, mat, rep),
         )
         # The stacked parameter state (in its rollout layout) -> the weights the programs read.

@@ -24,6 +24,25 @@ falls back to the retry path and waits in the proxy; ``admit(cell)`` brings a ce
 Nothing is lost: the caller sees one uninterrupted completion. Bad input raises ValueError in
 the caller.
 
+Resident admission (``Proxy(engines, admission="resident")``, ``rollout.admission``): the
+rule of :class:`gyre.elastic.admission.ResidentAdmission` (the simulator calls the same
+ledger). An execution's first call admits it to the cell with most unreserved room that holds
+its reservation (the call's footprint, or the mean peak footprint of the executions ended so
+far if larger), a free slot, and fewer admitted executions than slots; its later calls go to that cell only, after growing the
+reservation to their footprint; a call that cannot grow waits, and no new execution is
+admitted to a cell where one waits. Calls of admitted executions go first (in FIFO order per
+cell), then new executions (FIFO, the head blocking). The engines evict pinned contexts (of
+executions admitted to that cell) last, so while the reservations fit the pool an admitted
+execution's context stays resident between its calls. A cell where such a call waits and
+nothing runs preempts its youngest admitted execution (the ledger's ``youngest``: its
+reservation goes, its next call is a new execution's). The caller ends each execution
+(:meth:`Proxy.end_execution`: the reservation goes, its peak joins the mean); an execution the
+proxy never hears end of and that made no call over a whole weight version loses its
+reservation at the next :meth:`Proxy.set_weights` (which clears idle contexts anyway). On
+hand-over, 'migrate' moves each reservation on the cell to the open cell with most room
+(``move``) and its live call with it; a live call that cannot go there is retried and its
+reservation dropped, as are all of them with 'retry' or a lost cell.
+
 Pool metrics: :meth:`Proxy.kv_stats` (cumulative counters to diff per step, and current
 values) and :meth:`Proxy.capacity_contexts` (per cell, for the scheduler policy).
 """
@@ -33,13 +52,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 
 import numpy as np
 
+from gyre.elastic.admission import ResidentAdmission
 from gyre.errors import CellLost
 from gyre.rollout.engine import footprint, request_name, validate_request
+from gyre.rollout.programs import ADMISSIONS
 from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse, ServingEngine
 
 
@@ -62,12 +84,24 @@ class Call:
 class Proxy:
     """Routes calls over the engines of the rollout cells. Drive it with run() or pump()."""
 
-    def __init__(self, engines: list[ServingEngine]):
+    def __init__(self, engines: list[ServingEngine], admission: str = "none"):
         if not engines:
             raise ValueError("proxy needs at least one engine")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         self.engines = {e.cell.index: e for e in engines}
         for e in engines:
             e.on_admit = self._admitted
+        # Resident admission: the ledger of KV reservations per cell (None: admission 'none').
+        # One capacity for every cell: the smallest pool.
+        self.admission = admission
+        self.ledger = None
+        if admission == "resident":
+            budget = min(e.budget for e in engines)
+            self.ledger = ResidentAdmission(max(self.engines) + 1, max(budget, 1))
+            for i, e in self.engines.items():
+                e.pinned = functools.partial(self._pinned, i)
+        self.called: set[str] = set()  # executions with a call since the last set_weights
         self.rollout = set(self.engines)
         first = engines[0]
         self.vocab_size, self.max_len = first.vocab_size, first.max_len
@@ -87,6 +121,8 @@ class Proxy:
         """One model call; raises ValueError (naming the request) for unusable input."""
         validate_request(request, self.vocab_size, self.max_len)
         need, pool = footprint(request, self.max_len), max(e.budget for e in self.engines.values())
+        if self.ledger is not None:
+            pool = min(pool, int(self.ledger.capacity))
         if need > pool:
             raise ValueError(
                 f"{request_name(request)}: needs {need} KV tokens (prompt + max new tokens - 1, "
@@ -96,6 +132,7 @@ class Proxy:
         future = asyncio.get_running_loop().create_future()
         self.calls[rid] = Call(rid, request, future, request, submitted=time.perf_counter())
         self.waiting.append(rid)
+        self.called.add(request.execution_id)
         self._dispatch()
         self._notify()
         return await future
@@ -159,17 +196,128 @@ class Proxy:
 
     def _dispatch(self) -> None:
         self._recover()
-        while self.waiting:
+        if self.ledger is not None:
+            self._dispatch_resident()
+        while self.ledger is None and self.waiting:
             call = self.calls[self.waiting[0]]
             target = self._pick(call)
             if target is None:
                 break
             self.waiting.popleft()
-            self.engines[target].submit(call.current, call.rid)
-            call.cell = target
-            self.affinity[call.request.execution_id] = target
+            self._submit(call, target)
         if self._recover():  # a submit found its cell lost
             self._dispatch()
+
+    def _submit(self, call: Call, target: int) -> None:
+        self.engines[target].submit(call.current, call.rid)
+        call.cell = target
+        self.affinity[call.request.execution_id] = target
+
+    # ------------------------------------------------------------------ resident admission
+
+    def _pinned(self, cell_index: int, execution_id: str) -> bool:
+        """Engine hook: whether the execution is admitted to that cell (its context stays)."""
+        led = self.ledger
+        return led.holds(execution_id) and led.cell_of(execution_id) == cell_index
+
+    def _need(self, call: Call) -> int:
+        return footprint(call.current, self.max_len)
+
+    def _dispatch_resident(self) -> None:
+        """Calls of admitted executions first (each on its cell, growing its reservation;
+        FIFO per cell), preempting where a cell waits with nothing running; then new
+        executions, FIFO, admitted to a cell with room where nothing waits."""
+        led = self.ledger
+        for rid in list(self.waiting):  # a reservation on a cell out of rollout goes
+            eid = self.calls[rid].request.execution_id
+            if led.holds(eid) and led.cell_of(eid) not in self.rollout:
+                led.preempt(eid)
+        while True:
+            blocked: set[int] = set()
+            for rid in list(self.waiting):
+                call = self.calls[rid]
+                eid = call.request.execution_id
+                if not led.holds(eid):
+                    continue
+                c = led.cell_of(eid)
+                if (c in blocked or not self.engines[c].can_admit(call.current)
+                        or not led.grow(eid, self._need(call))):  # fmt: skip
+                    blocked.add(c)
+                    continue
+                self.waiting.remove(rid)
+                self._submit(call, c)
+            stuck = [c for c in sorted(blocked) if not self.engines[c].num_live]
+            if not stuck:
+                break
+            for c in stuck:
+                self._preempt(c)
+        while True:
+            head = next((r for r in self.waiting
+                         if not led.holds(self.calls[r].request.execution_id)), None)  # fmt: skip
+            if head is None:
+                return
+            call = self.calls[head]
+            open_ = [i for i in sorted(self.rollout) if i not in blocked
+                     and self.engines[i].can_admit(call.current) and self._has_slot(i)]  # fmt: skip
+            target = led.admit(call.request.execution_id, self._need(call), open_)
+            if target is None:
+                return
+            self.waiting.remove(head)
+            self._submit(call, target)
+
+    def _has_slot(self, cell_index: int) -> bool:
+        """Whether the cell holds fewer admitted executions than slots (each one's context
+        needs a slot of its own to stay resident)."""
+        e = self.engines[cell_index]
+        return len(self.ledger.keys_on(cell_index)) < e.num_live + e.free_slots()
+
+    def _preempt(self, cell_index: int) -> None:
+        """Drops the youngest reservation on the cell; its waiting call, if any, goes to the
+        front of the queue as a new execution's (its idle context is evicted when needed)."""
+        eid = self.ledger.youngest(cell_index)
+        self.ledger.preempt(eid)
+        self.stats["preemptions"] += 1
+        for rid in list(self.waiting):
+            if self.calls[rid].request.execution_id == eid:
+                self.waiting.remove(rid)
+                self.waiting.appendleft(rid)
+
+    def _admitted_executions(self) -> list[str]:
+        if self.ledger is None:
+            return []
+        return [eid for i in sorted(self.engines) for eid in self.ledger.keys_on(i)]
+
+    def _drop_reservations(self, cell_index: int) -> None:
+        if self.ledger is not None:
+            for eid in self.ledger.keys_on(cell_index):
+                self.ledger.preempt(eid)
+
+    def end_execution(self, execution_id: str) -> None:
+        """The caller's execution ended (success, failure, timeout, error or cancellation):
+        its reservation goes and its peak footprint joins the ledger's mean. Harmless for an
+        unknown execution and with admission 'none'."""
+        self.called.discard(execution_id)
+        if self.ledger is None or not self.ledger.holds(execution_id):
+            return
+        self.ledger.release(execution_id)
+        self._dispatch()
+        self._notify()
+
+    def admission_stats(self) -> dict:
+        """Resident admission now: admitted executions, tokens reserved (sums over cells),
+        calls waiting of admitted executions and of new ones; cumulative preemptions and
+        reservations expired at a weight update (never ended by the caller)."""
+        led = self.ledger
+        held = (lambda eid: led.holds(eid)) if led is not None else (lambda eid: False)
+        admitted = sum(held(self.calls[r].request.execution_id) for r in self.waiting)
+        return {
+            "admitted_executions": len(self._admitted_executions()),
+            "reserved_tokens": float(sum(led.used)) if led is not None else 0.0,
+            "waiting_admitted": admitted,
+            "waiting_new": len(self.waiting) - admitted,
+            "preemptions": self.stats["preemptions"],
+            "expired": self.stats["expired"],
+        }
 
     def _recover(self) -> bool:
         """Cells newly lost leave rollout; the calls live there wait again, to be retried from
@@ -180,6 +328,7 @@ class Proxy:
         for index in new:
             self.lost.add(index)
             self.rollout.discard(index)
+            self._drop_reservations(index)
             orphans = [rid for rid in lost[index] if rid in self.calls]
             for rid in reversed(orphans):
                 self.calls[rid].cell = None
@@ -238,13 +387,24 @@ class Proxy:
         self.rollout.discard(cell_index)
         engine = self.engines[cell_index]
         counts = collections.Counter()
+        moved = self._move_reservations(cell_index, mode)
         for rid in reversed(engine.live_ids()):  # reversed: appendleft keeps the original order
             call = self.calls[rid]
             try:
                 exp = engine.export(rid)
             except CellLost:  # the rest are the lost cell's orphans (see _recover)
                 break
-            target = self._pick(call) if mode == "migrate" and exp.rows is not None else None
+            eid = call.request.execution_id
+            if mode != "migrate" or exp.rows is None:
+                target = None
+            elif self.ledger is None:
+                target = self._pick(call)
+            else:  # where its reservation went, if that cell can take the request now
+                target = moved.get(eid)
+                if target is not None and not self.engines[target].can_admit(call.current):
+                    target = None
+            if self.ledger is not None and target is None and self.ledger.holds(eid):
+                self.ledger.preempt(eid)  # retried: its context is re-prefilled, as a new one's
             if target is not None:
                 self.engines[target].import_(exp)
                 call.cell = target
@@ -258,6 +418,22 @@ class Proxy:
         self._dispatch()
         self._notify()
         return dict(counts)
+
+    def _move_reservations(self, cell_index: int, mode: str) -> dict:
+        """Resident admission, a cell leaving rollout: 'migrate' moves each reservation on it
+        to the open cell with most room (dropped where none has), 'retry' drops them all ->
+        {execution: its new cell or None}."""
+        if self.ledger is None:
+            return {}
+        cells = sorted(self.rollout)
+        moved = {}
+        for eid in self.ledger.keys_on(cell_index):
+            if mode == "migrate":
+                moved[eid] = self.ledger.move(eid, cells)
+            else:
+                self.ledger.preempt(eid)
+                moved[eid] = None
+        return moved
 
     def lose(self, cell_index: int) -> None:
         """Marks a cell lost (found so outside the proxy, e.g. by a gradient call): it leaves
@@ -281,11 +457,10 @@ class Proxy:
         self._dispatch()
         self._notify()
 
-    def wait_ready(self, cell_index: int | None = None) -> None:
-        """Blocks until every rollout engine (and ``cell_index``'s) holds the weights and KV
-        rows it was last given: a hand-over or a weight load has landed."""
-        cells = self.rollout | ({cell_index} if cell_index is not None else set())
-        for index in sorted(cells - self.lost):
+    def wait_ready(self, cells=None) -> None:
+        """Blocks until the engines of ``cells`` (default: every rollout cell, where a
+        hand-over's rows land) hold the weights and KV rows they were last given."""
+        for index in sorted(set(self.rollout if cells is None else cells) - self.lost):
             self.engines[index].wait_ready()
 
     def take_lost_retried(self) -> int:
@@ -299,6 +474,22 @@ class Proxy:
         self.latest_weights = (state, version)
         for index in self.rollout:
             self.engines[index].set_weights(state, version)
+        self._expire()
+
+    def _expire(self) -> None:
+        """Resident admission: a reservation whose execution made no call since the last
+        weight update and has none now goes (the caller never ended it, or it waits on a
+        tool longer than a whole version: its next call is then a new execution's). So a
+        reservation the proxy never hears end of lasts at most two weight versions."""
+        if self.ledger is not None:
+            live = {c.request.execution_id for c in self.calls.values()}
+            for eid in self._admitted_executions():
+                if eid not in self.called and eid not in live:
+                    self.ledger.preempt(eid)
+                    self.stats["expired"] += 1
+            self._dispatch()
+            self._notify()
+        self.called = set()
 
     def warmup(self) -> None:
         """Compiles every rollout engine's programs now (start-up), not on the first call."""

@@ -12,6 +12,8 @@ import numpy as np
 HANDOVERS = ("migrate", "retry")
 # rollout.cpu_vector_width: -1 auto, 0 XLA's default, else bits (gyre/rollout/programs.py).
 CPU_VECTOR_WIDTHS = (-1, 0, 128, 256, 512)
+# rollout.admission: how the proxy admits calls (gyre/rollout/proxy.py).
+ADMISSIONS = ("none", "resident")
 
 
 @dataclasses.dataclass(frozen=True)
