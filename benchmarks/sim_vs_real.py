@@ -4,6 +4,7 @@
     python benchmarks/sim_vs_real.py --calibration isolated   # or cpu_measured (a file)
     python benchmarks/sim_vs_real.py --kv-limited          # a KV pool that evicts (see 5.)
     python benchmarks/sim_vs_real.py --kv-limited --admission resident   # (see 6.)
+    python benchmarks/sim_vs_real.py --replay /tmp/gyre_sim_vs_real_XXXX  # (see 7.)
 
 1. Calibrates (default ``in-situ``): a first controller run with another seed (other tasks)
    is timed program by program where the programs really run, beside the other cell, the
@@ -30,10 +31,14 @@
 
 6. ``--admission resident``: both runs set ``rollout.admission`` (gyre/rollout/proxy.py:
    an execution's calls stay on the cell that admitted it, with a KV reservation that grows
-   with its context). The replay sets ``CostModel.resident_admission``; where the simulator
-   does not model it with the engine's pool rule, the prediction is made without it and the
-   output says so (``sim_admission``: false), beside the token-pool model with admission
-   (``predicted_token_pools_s``, no engine pool rule).
+   with its context). The replay sets ``CostModel.resident_admission``: with the engine's
+   pool rule that is ``memory.EngineResidentPools`` (the proxy's ``ResidentAdmission``
+   ledger). Where a simulator does not model it, the prediction is made without it and the
+   output says so (``sim_admission``: false), beside the token-pool model with admission.
+
+7. Each run writes ``replay.json`` beside its ``trace.jsonl`` (the fitted cost models and the
+   measured figures); ``--replay WORKDIR`` predicts that run again without running anything
+   (after a change to the simulator).
 
 Prints a per-step table; the last line is one JSON object.
 """
@@ -220,7 +225,16 @@ def main() -> None:
     ap.add_argument("--kv_tokens", type=int, default=96, help="rollout.kv_tokens with --kv-limited")
     ap.add_argument("--admission", default="none", choices=("none", "resident"),
                     help="rollout.admission of both runs (and of the replay where modelled)")  # fmt: skip
+    ap.add_argument("--replay", default="",
+                    help="a workdir of an earlier run (its replay.json and trace.jsonl): predict "
+                    "again from its recorded timings, without running the controller")  # fmt: skip
     args = ap.parse_args()
+    if args.replay:  # the recorded run's own settings
+        with open(os.path.join(args.replay, "replay.json")) as f:
+            rec = json.load(f)
+        for k in ("steps", "tasks", "cell_size", "kv_limited", "kv_tokens", "admission",
+                  "calibration"):  # fmt: skip
+            setattr(args, k, rec["args"][k])
     cfg = tiny_config(args.cell_size, args.cache_dir)
     cfg.run.steps, cfg.run.tasks_per_step = args.steps, args.tasks
     # The simulator's engine decodes one token per step: the real one does the same here, so
@@ -229,8 +243,31 @@ def main() -> None:
     if args.kv_limited:
         cfg.rollout.kv_tokens = args.kv_tokens
     cfg.rollout.admission = args.admission
-    workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_")
-    setup(cfg, workdir)
+    from gyre.elastic import workload
+    from gyre.elastic.costs import CostModel
+
+    if args.replay:
+        workdir = args.replay
+        cost, own = CostModel(**rec["cost"]), CostModel(**rec["own"])
+        cal_s, ends, num_cells = rec["calibration_run_s"], rec["ends"], rec["cells"]
+        kv_real, adm_real, spent = rec["kv_real"], rec["adm_real"], rec["spent"]
+        steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
+    else:
+        workdir = tempfile.mkdtemp(prefix="gyre_sim_vs_real_")
+        setup(cfg, workdir)
+        cost, cal_s, ends, num_cells, kv_real, adm_real, spent, steps, own = run_both(
+            cfg, args, workdir
+        )
+        with open(os.path.join(workdir, "replay.json"), "w") as f:
+            json.dump({"args": vars(args), "cost": dataclasses.asdict(cost),
+                       "own": dataclasses.asdict(own), "calibration_run_s": cal_s,
+                       "ends": ends, "cells": num_cells, "kv_real": kv_real,
+                       "adm_real": adm_real, "spent": spent}, f)  # fmt: skip
+    report(cfg, args, workdir, cost, cal_s, ends, num_cells, kv_real, adm_real, spent, steps, own)
+
+
+def run_both(cfg, args, workdir: str):
+    """The calibration run (in situ) and the measured run -> what the comparison reads."""
     from gyre.elastic import calibration, workload
 
     probe = Probe()
@@ -253,28 +290,39 @@ def main() -> None:
         )  # fmt: skip
 
     ends, ctrl = run_real(cfg, workdir, probe)
-    kv_real, adm_real = ctrl.proxy.kv_stats(), ctrl.proxy.admission_stats()
+    kv_real = {k: float(v) for k, v in ctrl.proxy.kv_stats().items()}
+    adm_real = {k: float(v) for k, v in ctrl.proxy.admission_stats().items()}
     steps = workload.read_trace(os.path.join(workdir, "trace.jsonl"))
-    res, sim_adm, why = predict_admission(cfg, steps, len(ctrl.rt.cells), cost)
-    measured, predicted = np.diff(ends), np.diff(res.step_end_s)
     spent = [r["engine_s"] + r["train_s"] + r["checkpoint_s"] for r in probe.steps]
-    calls = [sum(len(ex.calls) for ex in b) for b in steps]
-    tokens = [sum(ex.train_tokens for ex in b) for b in steps]
     # The model fitted on this run's own timings: its error is the model's structure alone,
     # without the drift of the programs' speed between two runs.
     own = fit_probe(probe, steps, cost, "this run")
-    own_res = predict_admission(cfg, steps, len(ctrl.rt.cells), own)[0]
+    return cost, cal_s, ends, len(ctrl.rt.cells), kv_real, adm_real, spent, steps, own
+
+
+def report(cfg, args, workdir, cost, cal_s, ends, num_cells, kv_real, adm_real, spent, steps, own):
+    """Predicts the recorded run and prints the comparison (the last line: one JSON object)."""
+    res, sim_adm, why = predict_admission(cfg, steps, num_cells, cost)
+    measured, predicted = np.diff(ends), np.diff(res.step_end_s)
+    calls = [sum(len(ex.calls) for ex in b) for b in steps]
+    tokens = [sum(ex.train_tokens for ex in b) for b in steps]
+    own_res = predict_admission(cfg, steps, num_cells, own)[0]
     own_p = float(np.diff(own_res.step_end_s).sum())
-    print(f"real run: {len(ctrl.rt.cells)} cells, policy {cfg.scheduler.policy}, calibration "
+    print(f"workdir {workdir} (replay: --replay {workdir})")
+    print(f"real run: {num_cells} cells, policy {cfg.scheduler.policy}, calibration "
           f"{args.calibration!r} ({cost.source})")  # fmt: skip
     print("cost model (ms): " + ", ".join(
         f"{k} {getattr(cost, k) * 1e3:.3f}" for k in (
             "decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "prefill_call_s",
             "microbatch_s", "optimizer_s", "publish_s", "checkpoint_s")))  # fmt: skip
     if args.admission != "none":
-        print(f"admission {args.admission!r}: real run preempted {adm_real['preemptions']}, "
-              f"expired {adm_real['expired']}; the replay "
+        sc = res.counters
+        print(f"admission {args.admission!r}: real run preempted {int(adm_real['preemptions'])}, "
+              f"expired {int(adm_real['expired'])}; simulated preempted {int(sc['preemptions'])}, "
+              f"expired {int(sc['expired'])}, pinned contexts evicted "
+              f"{int(sc['pinned_evictions'])}; the replay "
               + ("models it" if sim_adm else f"does NOT model it ({why}): predicted without it"))  # fmt: skip
+    print(f"simulated schedule: {res.switches} role switches")
     print(f"step 0 (not compared: includes program load): measured {ends[0]:.3f} s, "
           f"simulated {res.step_end_s[0]:.3f} s")  # fmt: skip
     print(f"{'step':>4} {'execs':>5} {'calls':>5} {'tokens':>6} {'measured s':>10} "
@@ -319,9 +367,12 @@ def main() -> None:
               "kv_within_15pct": bool(within(err) and within(ev_err))}  # fmt: skip
     if args.admission != "none":
         kv |= {"admission": args.admission, "sim_admission": sim_adm,
-               "preemptions_real": adm_real["preemptions"], "expired_real": adm_real["expired"]}  # fmt: skip
+               "preemptions_real": int(adm_real["preemptions"]), "expired_real": int(adm_real["expired"]),
+               "preemptions_sim": int(res.counters["preemptions"]),
+               "expired_sim": int(res.counters["expired"]),
+               "pinned_evictions_sim": int(res.counters["pinned_evictions"])}  # fmt: skip
         if args.kv_limited and not sim_adm:  # the token-pool model, which does model it
-            tp = predict(cfg, steps, len(ctrl.rt.cells),
+            tp = predict(cfg, steps, num_cells,
                          dataclasses.replace(cost, resident_admission=True), engine_pool=False)  # fmt: skip
             tp_s = float(np.diff(tp.step_end_s).sum())
             print(f"token-pool model with admission (no engine pool rule): predicted {tp_s:.3f} s "
@@ -330,7 +381,7 @@ def main() -> None:
                    "token_pools_rel_error": round((tp_s - total_m) / total_m, 4),
                    "evictions_token_pools": int(tp.counters["evictions"])}  # fmt: skip
     print(json.dumps({
-        "steps_compared": len(measured), "cells": len(ctrl.rt.cells),
+        "steps_compared": len(measured), "cells": num_cells,
         "measured_s": round(total_m, 4), "predicted_s": round(total_p, 4),
         "rel_error": round(err, 4), "per_step_abs_error_median": round(float(np.median(per_step)), 4),
         "per_step_abs_error_max": round(float(per_step.max()), 4),
@@ -339,7 +390,7 @@ def main() -> None:
         "first_step_measured_s": round(ends[0], 4), "within_15pct": bool(abs(err) <= 0.15),
         "in_programs_s": round(in_programs, 4), "calibration": args.calibration,
         "calibration_run_s": None if cal_s is None else round(cal_s, 4),
-        "predicted_own_fit_s": round(own_p, 4), "own_fit_rel_error": round((own_p - total_m) / total_m, 4),
+        "predicted_own_fit_s": round(own_p, 4), "sim_switches": res.switches, "own_fit_rel_error": round((own_p - total_m) / total_m, 4),
         **kv,
     }))  # fmt: skip
 

@@ -10,47 +10,69 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
+import types
 
 import ml_collections
 
-from gyre.cluster.spec import BACKENDS
-from gyre.elastic.policy import POLICIES
-from gyre.envs.registry import ENVIRONMENTS
+from gyre.agent.context import AgentSettings
+from gyre.bounds import BOUNDS
+from gyre.cluster.spec import BACKENDS, ClusterSpec
+from gyre.elastic.policy import POLICIES, PolicyParams
+from gyre.envs.registry import ENVIRONMENTS, EnvSpec
 from gyre.errors import ConfigError
+from gyre.mesh import MeshSpec
 from gyre.model.attention import IMPLS
 from gyre.model.decoder import DTYPES
+from gyre.rl.specs import EvalSpec, RunSpec, SftRecipe, SftSpec
+from gyre.rollout.programs import RolloutSpec
 from gyre.rollout.types import ADMISSIONS, CPU_VECTOR_WIDTHS, HANDOVERS
+from gyre.train.loss import LossSpec
+from gyre.train.optimizer import OptimizerSpec
+from gyre.train.step import TrainerSpec
 from gyre.trajectory.advantages import LOSS_MODES, REWARDS
-from gyre.trajectory.batch import PACKINGS
+from gyre.trajectory.batch import PACKINGS, TrajectorySpec
 
 __all__ = ["BOUNDS", "ConfigError", "default_config", "validate"]
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """Every key a run may set, with its default. Types here are the types enforced."""
+    """Every key a run may set, with its default. Types here are the types enforced.
+
+    A key that sets a field of a part's spec takes that field's default: the default is
+    stated once, in the spec (its comment there says more); the rest are stated here.
+    """
+    mesh_, cluster_, traj, agent = (_defaults(MeshSpec), _defaults(ClusterSpec),
+                                    _defaults(TrajectorySpec), _defaults(AgentSettings))  # fmt: skip
+    opt, loss, trainer = _defaults(OptimizerSpec), _defaults(LossSpec), _defaults(TrainerSpec)
+    rollout, env, sched = _defaults(RolloutSpec), _defaults(EnvSpec), _defaults(PolicyParams)
+    run, eval_, sft, recipe = (_defaults(RunSpec), _defaults(EvalSpec), _defaults(SftSpec),
+                               _defaults(SftRecipe))  # fmt: skip
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.name = "default"
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.cell_size = 1  # devices per cell; K = num_devices // cell_size cells
-    c.mesh.num_devices = 0  # 0: all visible devices
-    c.mesh.cpu_devices = 8  # fake this many devices when the platform is CPU
-    c.mesh.model_parallel = 1  # size of the intra-cell 'model' axis; 'data' gets the rest
-    c.mesh.compilation_cache = True  # persistent XLA cache
-    c.mesh.cache_dir = ""  # where that cache lives ("" = the shared cache, gyre/cache.py)
+    c.mesh.cell_size = mesh_.cell_size  # devices per cell; K = num_devices // cell_size cells
+    c.mesh.num_devices = mesh_.num_devices  # 0: all visible devices
+    c.mesh.cpu_devices = mesh_.cpu_devices  # fake this many devices when the platform is CPU
+    # size of the intra-cell 'model' axis; 'data' gets the rest
+    c.mesh.model_parallel = mesh_.model_parallel
+    c.mesh.compilation_cache = mesh_.compilation_cache  # persistent XLA cache
+    # where that cache lives ("" = the shared cache, gyre/cache.py)
+    c.mesh.cache_dir = mesh_.cache_dir
 
     # Where the cells live (gyre/cluster/): "local" = every cell in this process; "ray" = each
     # actor a process owning cells_per_actor cells (devices_per_actor = cells_per_actor *
     # mesh.cell_size devices), arrays crossing with jax.experimental.transfer. Ray is an extra
     # (pip install -r requirements-ray.txt).
     c.cluster = ml_collections.ConfigDict()
-    c.cluster.backend = "local"
-    c.cluster.address = ""  # ray: "" = start a local instance; else ray.init's address ("auto")
-    c.cluster.actors = 2  # ray: actor processes; actor 0 holds the core cell
-    c.cluster.cells_per_actor = 1
-    c.cluster.transfer_timeout_s = 120.0  # a cross-process move past this declares its cell lost
+    c.cluster.backend = cluster_.backend
+    # ray: "" = start a local instance; else ray.init's address ("auto")
+    c.cluster.address = cluster_.address
+    c.cluster.actors = cluster_.actors  # ray: actor processes; actor 0 holds the core cell
+    c.cluster.cells_per_actor = cluster_.cells_per_actor
+    # a cross-process move past this declares its cell lost
+    c.cluster.transfer_timeout_s = cluster_.transfer_timeout_s
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 64
@@ -71,88 +93,92 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.hf_dir = ""
 
     c.trajectory = ml_collections.ConfigDict()
-    c.trajectory.max_paths = 5  # J; 0 = uncapped (ablation)
-    c.trajectory.loss_mode = "two-level"
-    c.trajectory.std_normalize = False
-    c.trajectory.row_len = 1024  # tokens per packed row (multiple of 128)
-    c.trajectory.packing = "tree"  # or "flat" (ablation)
-    c.trajectory.reward = "partial"  # or "binary"
+    c.trajectory.max_paths = traj.max_paths  # J; 0 = uncapped (ablation)
+    c.trajectory.loss_mode = traj.loss_mode
+    c.trajectory.std_normalize = traj.std_normalize
+    c.trajectory.row_len = traj.row_len  # tokens per packed row (multiple of 128)
+    c.trajectory.packing = traj.packing  # or "flat" (ablation)
+    c.trajectory.reward = traj.reward  # or "binary"
 
     c.train = ml_collections.ConfigDict()
-    c.train.lr = 1e-4
-    c.train.warmup_steps = 0
-    c.train.weight_decay = 0.0
-    c.train.b1 = 0.9
-    c.train.b2 = 0.999
-    c.train.grad_clip = 1.0
-    c.train.clip_low = 0.2
-    c.train.clip_high = 0.28
-    c.train.kl_coef = 0.0
-    c.train.tis_cap = 0.0  # truncated importance weight for stale tokens; 0 = off
-    c.train.rows_per_microbatch = 4
-    c.train.max_bad_steps = 3
-    c.train.checkpoint_every = 1
-    c.train.keep_checkpoints = 2
+    c.train.lr = opt.lr
+    c.train.warmup_steps = opt.warmup_steps
+    c.train.weight_decay = opt.weight_decay
+    c.train.b1 = opt.b1
+    c.train.b2 = opt.b2
+    c.train.grad_clip = opt.grad_clip
+    c.train.clip_low = loss.clip_low
+    c.train.clip_high = loss.clip_high
+    c.train.kl_coef = loss.kl_coef
+    c.train.tis_cap = loss.tis_cap  # truncated importance weight for stale tokens; 0 = off
+    c.train.rows_per_microbatch = trainer.rows_per_microbatch
+    c.train.max_bad_steps = trainer.max_bad_steps
+    c.train.checkpoint_every = run.checkpoint_every
+    c.train.keep_checkpoints = run.keep_checkpoints
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.slots = 16
-    c.rollout.max_len = 512
-    c.rollout.prefill_chunk = 64
+    c.rollout.slots = rollout.slots
+    c.rollout.max_len = rollout.max_len
+    c.rollout.prefill_chunk = rollout.prefill_chunk
     # Decode tokens per device loop (one dispatch and one host transfer each); requests join
     # and leave slots, weights change and migrations happen between loops. -1 = auto (16, or
     # 64 on a one-slot cell, which never idles a slot; gyre/rollout/programs.py loop_steps),
     # 1 = one token per dispatch, N = N.
-    c.rollout.decode_steps = -1
+    c.rollout.decode_steps = rollout.decode_steps
     # Preferred SIMD width in bits of the code XLA:CPU emits for the serving programs: -1 =
     # auto (512 for a one-slot cell, whose decode dots are matrix-vector products XLA emits
     # itself: 1.2-1.5x faster with 512-bit vectors on an AVX-512 host; XLA's default
     # otherwise, where dots go to library kernels and the width changed nothing measured);
     # 0 = XLA's default; 128, 256 or 512 = that width for every cell. Accelerators ignore it.
-    c.rollout.cpu_vector_width = -1
+    c.rollout.cpu_vector_width = rollout.cpu_vector_width
     # Attention over the live part of the KV cache in blocks of this many entries
     # (gyre/rollout/programs.py kv_blocks): -1 auto (prefill live, decode live from max_len
     # 1024; blocks of 128), 0 dense over max_len, N > 0 live blocks of N everywhere.
-    c.rollout.kv_block = -1
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
-    c.rollout.max_new_tokens = 32
+    c.rollout.kv_block = rollout.kv_block
+    c.rollout.temperature = rollout.temperature
+    c.rollout.top_p = rollout.top_p
+    c.rollout.max_new_tokens = agent.max_new_tokens
     # KV pool budget per rollout cell, in tokens (gyre/rollout/engine.py): live requests reserve
     # prompt + max new tokens, idle contexts kept for reuse are evicted least recently used.
     # 0 = derived: slots * max_len on CPU; on an accelerator, device memory minus the cell's
     # weights minus a reserve (capped at slots * max_len, the memory actually allocated).
-    c.rollout.kv_tokens = 0
+    c.rollout.kv_tokens = rollout.kv_tokens
     # How the proxy admits calls (gyre/rollout/proxy.py): "none" = each call on its own (idle
     # contexts evicted LRU when the pool is short); "resident" = an execution's next call is
     # admitted to its cell only while its context can stay resident there, with a reservation
     # that grows with the context; calls of admitted executions go before new executions.
-    c.rollout.admission = "none"
+    c.rollout.admission = rollout.admission
 
     c.agent = ml_collections.ConfigDict()
-    c.agent.max_calls = 64
-    c.agent.max_tokens = 100_000
-    c.agent.max_seconds = 600.0
-    c.agent.max_retries = 2
-    c.agent.context_window = 512
-    c.agent.model_summary = False  # compaction summary written by the model (main-summary)
-    c.agent.infra_retries = 2
-    c.agent.concurrency = 64  # executions in flight at once (RL: across the steps in flight)
+    c.agent.max_calls = agent.max_calls
+    c.agent.max_tokens = agent.max_tokens
+    c.agent.max_seconds = agent.max_seconds
+    c.agent.max_retries = agent.max_retries
+    c.agent.context_window = agent.context_window
+    # compaction summary written by the model (main-summary)
+    c.agent.model_summary = agent.model_summary
+    c.agent.infra_retries = agent.infra_retries
+    # executions in flight at once (RL: across the steps in flight)
+    c.agent.concurrency = agent.concurrency
 
     c.env = ml_collections.ConfigDict()
-    c.env.name = "ledger"
-    c.env.num_ops = 8  # K
-    c.env.modulus = 10
-    c.env.tool_latency = 0.0  # mean seconds; 0 = instant
-    c.env.partial_scale = 0.5  # partial credit = scale * fraction of milestones
-    c.env.tool_timeout = 30.0  # seconds before a tool call counts as hung (retried as infra)
+    c.env.name = env.name
+    c.env.num_ops = env.num_ops  # K
+    c.env.modulus = env.modulus
+    c.env.tool_latency = env.tool_latency  # mean seconds; 0 = instant
+    c.env.partial_scale = agent.partial_scale  # partial credit = scale * fraction of milestones
+    # seconds before a tool call counts as hung (retried as infra)
+    c.env.tool_timeout = env.tool_timeout
     # Chaos testing: this share of tool calls crashes or hangs (gyre/envs/faults.py); the
     # harness retries them as infrastructure errors, never as the policy's failures.
-    c.env.fault_rate = 0.0
+    c.env.fault_rate = env.fault_rate
     # Chat environments (code, reasoning_gym; gyre/envs/registry.py) speak text through the
     # checkpoint's tokenizer and chat template (model.hf_dir).
-    c.env.tasks = ""  # reasoning_gym: comma-separated task names ("" = basic_arithmetic)
-    c.env.max_runs = 8  # code: test runs before the task counts as failed
-    c.env.keep_thinking = False  # the environment sees (True) or strips the <think> text
-    c.env.enable_thinking = True  # the chat template's enable_thinking switch
+    c.env.tasks = env.tasks  # reasoning_gym: comma-separated task names ("" = basic_arithmetic)
+    c.env.max_runs = env.max_runs  # code: test runs before the task counts as failed
+    # the environment sees (True) or strips the <think> text
+    c.env.keep_thinking = env.keep_thinking
+    c.env.enable_thinking = env.enable_thinking  # the chat template's enable_thinking switch
 
     # What the experiment does; run.entry names the library function (see gyre/run.py).
     c.run = ml_collections.ConfigDict()
@@ -162,116 +188,54 @@ def default_config() -> ml_collections.ConfigDict:
     c.run.samples_per_task = 4  # executions per task (a group for the advantages)
     # Abort (one line, exit 3, thread stacks in <workdir>/error.txt) when nothing progresses
     # (no model call, execution or micro-batch ends) for this long; 0 = off.
-    c.run.watchdog_s = 1800.0
+    c.run.watchdog_s = run.watchdog_s
 
     c.scheduler = ml_collections.ConfigDict()
-    c.scheduler.policy = "elastic"  # colocate, async or elastic (gyre/elastic/policy.py)
-    c.scheduler.max_staleness = 1  # bound on step - weight version at dispatch
-    c.scheduler.async_rollout_cells = 0  # fixed split for the async policy; 0 = half
-    c.scheduler.slack_cells = 1  # elastic: spare rollout cells kept beyond the outstanding work
+    c.scheduler.policy = run.scheduler_policy  # colocate, async or elastic (gyre/elastic/policy.py)
+    c.scheduler.max_staleness = sched.max_staleness  # bound on step - weight version at dispatch
+    # fixed split for the async policy; 0 = half
+    c.scheduler.async_rollout_cells = sched.async_rollout_cells
+    # elastic: spare rollout cells kept beyond the outstanding work
+    c.scheduler.slack_cells = sched.slack_cells
     # elastic: a cell leaves rollout only for trainable work that keeps the train cells busy
     # for this many switch round trips (gyre/elastic/policy.py)
-    c.scheduler.leave_round_trips = 3.0
+    c.scheduler.leave_round_trips = sched.leave_round_trips
     # What the policy assumes until the run has measured its own figures: seconds a role
     # switch costs, and the calibration (gyre/elastic/calibrations/<name>.json, or a path)
     # whose training speed seeds each cell's train tokens/s.
-    c.scheduler.switch_cost_s = 0.0
+    c.scheduler.switch_cost_s = run.switch_cost_s
     c.scheduler.calibration = "cpu_measured"
-    c.scheduler.handover = "migrate"  # live requests of a cell leaving rollout: migrate or retry
+    c.scheduler.handover = run.handover  # live requests of a cell leaving rollout: migrate or retry
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.tasks = 0  # greedy held-out tasks per evaluation (0: no evaluation)
-    c.eval.every = 0  # evaluate every N steps (0: before and after RL only)
-    c.eval.temperature = 0.0  # 0: greedy; else the sampling policy RL trains, at this temperature
+    c.eval.tasks = eval_.tasks  # greedy held-out tasks per evaluation (0: no evaluation)
+    c.eval.every = eval_.every  # evaluate every N steps (0: before and after RL only)
+    # 0: greedy; else the sampling policy RL trains, at this temperature
+    c.eval.temperature = eval_.temperature
 
     # Supervised warm start on expert demonstrations (gyre/rl/warmstart.py), cached by its
     # fingerprint in sft.dir.
     c.sft = ml_collections.ConfigDict()
-    c.sft.steps = 0  # 0: no warm start
-    c.sft.target_accuracy = 0.0  # stop early at this held-out per-step accuracy
-    c.sft.batch = 16  # demonstrations per step
+    c.sft.steps = sft.steps  # 0: no warm start
+    c.sft.target_accuracy = sft.target_accuracy  # stop early at this held-out per-step accuracy
+    c.sft.batch = recipe.batch  # demonstrations per step
     c.sft.lr = 1e-3
-    c.sft.eval_every = 50
-    c.sft.mistake_prob = 0.1  # share of demonstration steps with a corrected near miss
-    c.sft.dir = ""  # cache of warm starts ("" = the shared cache, gyre/cache.py)
+    c.sft.eval_every = sft.eval_every
+    # share of demonstration steps with a corrected near miss
+    c.sft.mistake_prob = recipe.mistake_prob
+    c.sft.dir = sft.dir  # cache of warm starts ("" = the shared cache, gyre/cache.py)
     # Seed of the warm start (initial weights, demonstrations); -1 = ``seed``. Set it to vary
     # the RL seed over one cached warm start.
     c.sft.seed = -1
     return c
 
 
-@dataclasses.dataclass(frozen=True)
-class Bound:
-    """The interval a numeric key must lie in; ``None`` = unbounded on that side."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __contains__(self, v) -> bool:
-        if not math.isfinite(v):
-            return False
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            return False
-        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
-
-    def __str__(self) -> str:
-        if self.hi is None:
-            return f"{'>' if self.lo_open else '>='} {self.lo}"
-        return (
-            f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-        )
-
-
-def _ge(x):
-    return Bound(x)
-
-
-def _gt(x):
-    return Bound(x, lo_open=True)
-
-
-UNIT, UNIT_OPEN_HI, UNIT_OPEN_LO = Bound(0, 1), Bound(0, 1, hi_open=True), Bound(0, 1, True)
-
-# Every numeric key's interval (a test pins that none is missing). Constraints between keys
-# (heads vs model_parallel, env vocabulary vs model, row length) are checked in ``validate``
-# and in the parts' specs.
-BOUNDS: dict[str, Bound] = {
-    "seed": _ge(0),
-    "mesh.cell_size": _ge(1), "mesh.num_devices": _ge(0), "mesh.cpu_devices": Bound(1, 4096),
-    "mesh.model_parallel": _ge(1),
-    "cluster.actors": _ge(1), "cluster.cells_per_actor": _ge(1),
-    "cluster.transfer_timeout_s": _gt(0),
-    "model.vocab_size": _ge(2), "model.d_model": _ge(1), "model.num_layers": _ge(1),
-    "model.num_heads": _ge(1), "model.num_kv_heads": _ge(1), "model.head_dim": _ge(2),
-    "model.d_ff": _ge(1), "model.rope_theta": _gt(0), "model.rms_eps": _gt(0),
-    "model.attn_block": _ge(1),
-    "trajectory.max_paths": _ge(0), "trajectory.row_len": _ge(128),
-    "train.lr": _gt(0), "train.warmup_steps": _ge(0), "train.weight_decay": _ge(0),
-    "train.b1": UNIT_OPEN_HI, "train.b2": UNIT_OPEN_HI, "train.grad_clip": _ge(0),
-    "train.clip_low": UNIT_OPEN_HI, "train.clip_high": _ge(0), "train.kl_coef": _ge(0),
-    "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(1), "train.max_bad_steps": _ge(0),
-    "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
-    "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
-    "rollout.decode_steps": _ge(-1), "rollout.cpu_vector_width": Bound(-1, 512),
-    "rollout.temperature": _ge(0), "rollout.top_p": UNIT_OPEN_LO, "rollout.max_new_tokens": _ge(1),
-    "rollout.kv_tokens": _ge(0), "rollout.kv_block": _ge(-1),
-    "agent.max_calls": _ge(1), "agent.max_tokens": _ge(1), "agent.max_seconds": _gt(0),
-    "agent.max_retries": _ge(0), "agent.context_window": _ge(2), "agent.infra_retries": _ge(0),
-    "agent.concurrency": _ge(1),
-    "env.num_ops": _ge(1), "env.modulus": _ge(2), "env.tool_latency": _ge(0),
-    "env.partial_scale": UNIT_OPEN_HI, "env.fault_rate": UNIT_OPEN_HI, "env.tool_timeout": _gt(0),
-    "env.max_runs": _ge(1),
-    "run.steps": _ge(1), "run.tasks_per_step": _ge(1), "run.samples_per_task": _ge(1),
-    "run.watchdog_s": _ge(0),
-    "scheduler.max_staleness": _ge(0), "scheduler.async_rollout_cells": _ge(0),
-    "scheduler.slack_cells": _ge(0), "scheduler.switch_cost_s": _ge(0),
-    "scheduler.leave_round_trips": _ge(0),
-    "eval.tasks": _ge(0), "eval.every": _ge(0), "eval.temperature": _ge(0),
-    "sft.steps": _ge(0), "sft.target_accuracy": UNIT, "sft.batch": _ge(1), "sft.lr": _gt(0),
-    "sft.eval_every": _ge(1), "sft.mistake_prob": UNIT, "sft.seed": _ge(-1),
-}  # fmt: skip
+def _defaults(cls) -> types.SimpleNamespace:
+    """The field defaults of the spec dataclass ``cls``."""
+    fields = dataclasses.fields(cls)
+    return types.SimpleNamespace(
+        **{f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    )
 
 
 def _check_bounds(cfg) -> None:

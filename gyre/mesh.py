@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from gyre import bounds
 from gyre.errors import ConfigError
 
 AXES = ("data", "model")
@@ -70,6 +71,9 @@ class MeshSpec:
     cpu_devices: int = 8
     compilation_cache: bool = True
     cache_dir: str = ""
+
+    def __post_init__(self):
+        bounds.check(self, "mesh")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from gyre.rl.builder import build_specs
 def test_cluster_spec_and_config_reject_bad_values():
     with pytest.raises(ValueError, match="backend"):
         ClusterSpec(backend="slurm")
-    with pytest.raises(ValueError, match="actors >= 1"):
+    with pytest.raises(ValueError, match="actors must be >= 1"):
         ClusterSpec(backend="ray", actors=0)
     assert ClusterSpec(actors=3, cells_per_actor=2).cells_of(1) == [2, 3]
     cfg = quickstart.get_config("tiny")

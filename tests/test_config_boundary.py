@@ -172,3 +172,26 @@ def test_spec_defaults_equal_the_config_defaults():
                         differ.append(f"{section}.{f.name}: config {cfg[section][f.name]!r}, "
                                       f"{cls.__name__} {f.default!r}")  # fmt: skip
     assert not differ, differ
+
+
+def test_a_spec_built_in_code_is_held_to_the_config_s_intervals():
+    """One table of intervals (gyre/bounds.py): config.validate and every spec read it, so a
+    value a config refuses is refused by the spec built in a notebook too, naming the key."""
+    from gyre.agent.context import AgentSettings
+    from gyre.elastic.policy import PolicyParams
+    from gyre.envs.registry import EnvSpec
+    from gyre.train.optimizer import OptimizerSpec
+
+    cases = [
+        (lambda: EnvSpec(fault_rate=1.0), r"env\.fault_rate must be in \[0, 1\)"),
+        (lambda: AgentSettings(max_new_tokens=0), r"rollout\.max_new_tokens must be >= 1"),
+        (lambda: OptimizerSpec(b2=1.0), r"train\.b2 must be in \[0, 1\)"),
+        (lambda: PolicyParams(leave_round_trips=-1.0), r"scheduler\.leave_round_trips"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
+    cfg = default_config()
+    cfg.env.fault_rate = 1.0
+    with pytest.raises(ConfigError, match="env.fault_rate"):
+        validate(cfg)

@@ -22,7 +22,7 @@ FLOORS = (
     ("envs", "elastic"),
     ("model",),
     ("chat", "trajectory", "mesh"),
-    ("errors", "cache", "metrics", "plots", "signals", "watchdog"),
+    ("errors", "cache", "metrics", "plots", "signals", "watchdog", "bounds"),
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 PACKAGE = pathlib.Path(gyre.__file__).parent

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from gyre import bounds
 from gyre.trajectory.records import CallRecord
 
 
@@ -35,10 +36,8 @@ class AgentSettings:
     vocab_size: int = 0  # 0: the environment's vocabulary
 
     def __post_init__(self):
-        if self.max_calls < 1 or self.max_new_tokens < 1 or self.concurrency < 1:
-            raise ValueError(f"AgentSettings: limits must be positive, got {self}")
-        if self.max_retries < 0 or self.infra_retries < 0:
-            raise ValueError(f"AgentSettings: retry budgets must be >= 0, got {self}")
+        bounds.check(self, "agent", max_new_tokens="rollout.max_new_tokens",
+                     partial_scale="env.partial_scale")  # fmt: skip
 
     def for_env(self, env) -> AgentSettings:
         """These settings with the environment's vocabulary when none is set."""

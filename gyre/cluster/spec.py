@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from gyre import bounds
+
 BACKENDS = ("local", "ray")
 
 
@@ -23,9 +25,7 @@ class ClusterSpec:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"ClusterSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.actors < 1 or self.cells_per_actor < 1:
-            raise ValueError(f"ClusterSpec needs actors >= 1 and cells_per_actor >= 1, got "
-                             f"{self.actors} and {self.cells_per_actor}")  # fmt: skip
+        bounds.check(self, "cluster")
 
     @property
     def num_cells(self) -> int:

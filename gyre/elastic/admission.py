@@ -1,7 +1,8 @@
 """Admission that keeps contexts resident: a per-cell ledger of KV reservations.
 
-Pure host-side bookkeeping, no clock and no device: the simulator's ``ResidentPools``
-(gyre/elastic/memory.py) calls it, and a serving proxy can call the same rule.
+Pure host-side bookkeeping, no clock and no device: the simulator's ``ResidentPools`` and
+``EngineResidentPools`` (gyre/elastic/memory.py) call it, and so does the serving proxy
+(gyre/rollout/proxy.py, ``rollout.admission="resident"``).
 
 An *admitted* execution holds a reservation on one cell for its whole life, between its calls
 too, so its context stays resident there while it waits on a tool. Units are KV tokens.
@@ -9,7 +10,9 @@ too, so its context stays resident there while it waits on a tool. Units are KV 
 - A new execution is admitted (:meth:`ResidentAdmission.admit`) to the open cell with most
   free room, if that room holds ``max(need, floor)``: its first call's need, or the mean peak
   of the executions released so far if larger (the growth its context will likely need; a
-  measured figure, not the execution's own peak).
+  measured figure, not the execution's own peak); with ``slots`` > 0, only to a cell holding
+  fewer than ``slots`` admitted executions (:meth:`count`: each resident context needs a
+  slot of its own).
 - A later call of an admitted execution grows its reservation to the call's need on its own
   cell (:meth:`grow`) if the room is there; otherwise the call waits. The caller serves
   these calls before any new execution, and admits no new execution to a cell where one waits.
@@ -29,12 +32,18 @@ from collections.abc import Hashable, Iterable
 
 class ResidentAdmission:
     """Reservations of admitted executions per cell: ``num_cells`` pools of ``capacity``
-    tokens each. Keys are any hashable execution handle (an id string, an object)."""
+    tokens each, and at most ``slots`` executions admitted to a cell (0: no cap; a hand-over's
+    :meth:`move` does not check it). Keys are any hashable execution handle (an id string, an
+    object)."""
 
-    def __init__(self, num_cells: int, capacity: float):
-        if num_cells < 1 or not capacity > 0:
-            raise ValueError(f"need num_cells >= 1 and capacity > 0, got {num_cells}, {capacity}")
-        self.capacity = float(capacity)
+    def __init__(self, num_cells: int, capacity: float, slots: int = 0):
+        if num_cells < 1 or not capacity > 0 or slots < 0:
+            raise ValueError(
+                f"need num_cells >= 1, capacity > 0 and slots >= 0, got {num_cells}, "
+                f"{capacity}, {slots}"
+            )
+        self.capacity, self.slots = float(capacity), int(slots)
+        self.counts = [0] * num_cells  # executions admitted per cell
         self.tol = 1e-9 * self.capacity
         self.used = [0.0] * num_cells  # tokens reserved per cell
         self.cell: dict[Hashable, int] = {}  # key -> its cell
@@ -54,6 +63,14 @@ class ResidentAdmission:
 
     def free(self, cell: int) -> float:
         return self.capacity - self.used[cell]
+
+    def count(self, cell: int) -> int:
+        """Executions admitted to ``cell`` now."""
+        return self.counts[cell]
+
+    def has_slot(self, cell: int) -> bool:
+        """Whether ``cell`` may admit another execution (fewer than ``slots``; always with 0)."""
+        return self.slots <= 0 or self.counts[cell] < self.slots
 
     @property
     def floor(self) -> float:
@@ -78,6 +95,7 @@ class ResidentAdmission:
         self.cell[key], self.tokens[key] = cell, tokens
         self.order[key] = next(self._seq) if order is None else order
         self.used[cell] += tokens
+        self.counts[cell] += 1
 
     def _best(self, need: float, cells: Iterable[int]) -> int | None:
         """The cell with most free room that holds ``need`` (lowest index on ties)."""
@@ -92,7 +110,7 @@ class ResidentAdmission:
         if key in self.cell:
             raise ValueError(f"execution {key!r} is already admitted")
         want = self.reservation(need)
-        c = self._best(want, cells)
+        c = self._best(want, (i for i in cells if self.has_slot(i)))
         if c is not None:
             self._place(key, c, want)
             self.peak[key] = need
@@ -119,6 +137,8 @@ class ResidentAdmission:
         if dst is None:
             self._drop(key)
             return None
+        self.counts[src] -= 1
+        self.counts[dst] += 1
         self.cell[key] = dst
         self.used[dst] += tokens
         return dst
@@ -138,5 +158,7 @@ class ResidentAdmission:
         self._drop(key)
 
     def _drop(self, key: Hashable) -> None:
+        if key in self.cell:
+            self.counts[self.cell[key]] -= 1
         for d in (self.cell, self.tokens, self.peak, self.order):
             d.pop(key, None)

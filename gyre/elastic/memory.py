@@ -7,6 +7,8 @@
 - :class:`EnginePools`: the real engine's pool rule (gyre/rollout/engine.py, proxy.py).
 - :class:`ResidentPools`: token pools with admission that keeps contexts resident
   (gyre/elastic/admission.py): no eviction, calls of admitted executions first.
+- :class:`EngineResidentPools`: the engine's pool rule with the proxy's resident admission
+  (the same ledger), pinned contexts evicted last.
 
 Every strategy answers the same calls from the event loop (``route``, ``fill``, ``admitted``,
 ``call_done``, ``dropped``, ``handover``, ``ended``, ...), so each rule is written once.
@@ -441,11 +443,19 @@ class ResidentPools(TokenPools):
     room (``handover_migrate``), or drops it.
     """
 
-    def __init__(self, sim):
-        super().__init__(sim)
-        self.ledger = ResidentAdmission(sim.k, self.cost.kv_capacity_tokens)
+    def __init__(self, sim, *pool):
+        super().__init__(sim, *pool)
+        self.ledger = ResidentAdmission(sim.k, self.cost.kv_capacity_tokens, self._slots())
         self.waiting: collections.deque = collections.deque()  # calls of admitted executions
         self.moving: dict = {}  # during a hand-over: execution -> its new cell index or None
+
+    def _slots(self) -> int:
+        """Executions a cell admits at most (0: no cap)."""
+        return 0
+
+    def _can_place(self, c, req) -> bool:
+        """Whether ``c`` can take the request now (beside the ledger's own room)."""
+        return self._open(c)
 
     def route(self, req) -> None:
         (self.waiting if self.ledger.holds(req.ex) else self.sim.pending).append(req)
@@ -461,7 +471,7 @@ class ResidentPools(TokenPools):
                 if req.dead:
                     continue
                 c = cells[led.cell_of(req.ex)]
-                if c.i in blocked or not self._open(c) or not led.grow(req.ex, req.need):
+                if c.i in blocked or not self._can_place(c, req) or not led.grow(req.ex, req.need):
                     blocked.add(c.i)
                     kept.append(req)
                     continue
@@ -480,7 +490,7 @@ class ResidentPools(TokenPools):
             if req.dead:
                 pending.popleft()
                 continue
-            open_ = [c.i for c in cells if c.i not in blocked and self._open(c)]
+            open_ = [c.i for c in cells if c.i not in blocked and self._can_place(c, req)]
             i = led.admit(req.ex, req.need, open_)
             if i is None:
                 return
@@ -492,6 +502,7 @@ class ResidentPools(TokenPools):
         waiting call, if any, starts over as a new execution."""
         es = self.ledger.youngest(c.i)
         self.ledger.preempt(es)
+        self.sim.counters["preemptions"] += 1
         if es.cell is c and es in c.idle:
             self._forget(es)
             self.sim.counters["evictions"] += 1
@@ -514,8 +525,12 @@ class ResidentPools(TokenPools):
             req.cell = None
             (self.waiting if self.ledger.holds(req.ex) else self.sim.pending).appendleft(req)
 
+    def _receivers(self, c) -> list[int]:
+        """Cells a reservation leaving ``c`` may move to."""
+        return [o.i for o in self.sim.cells if o is not c and self._open(o)]
+
     def handover(self, c) -> float:
-        cells = [o.i for o in self.sim.cells if o is not c and self._open(o)]
+        cells = self._receivers(c)
         self.moving = {}
         for es in self.ledger.keys_on(c.i):
             if self.cost.handover_migrate:
@@ -530,3 +545,99 @@ class ResidentPools(TokenPools):
     def ended(self, es) -> None:
         self.ledger.release(es)
         super().ended(es)
+
+
+class EngineResidentPools(ResidentPools, EnginePools):
+    """The real engine's pool rule with the proxy's resident admission (``engine_pool`` and
+    ``resident_admission``; gyre/rollout/proxy.py ``admission="resident"``).
+
+    The ledger is :class:`ResidentAdmission` (the proxy's rule, not a copy) over cells of
+    ``kv_capacity_tokens`` with at most ``slots`` admitted executions each; a reservation is
+    the call's footprint P + min(max_new_tokens, max_len - P) - 1 (or the mean peak of the
+    executions ended so far if larger), grown per call on the execution's own cell. A call
+    is placed where the engine can take it now (a free slot, live footprints + its own within
+    the pool) and the ledger has room; calls of admitted executions go first (a cell where
+    one waits admits no new execution), new executions FIFO with the head blocking; a cell
+    where a growth waits with nothing running preempts its youngest execution (its context
+    stays, idle and unpinned; counted in ``preemptions``, not as an eviction). The pool
+    evicts idle contexts least recently used first, those of executions admitted to that
+    cell (pinned) last (``pinned_evictions`` counts those; none while the reservations fit
+    the pool): contexts of ended, preempted or moved-away executions go first, and count as
+    evictions. New weights clear every idle context (reservations stay), and an execution
+    that made no call over a whole weight version and has none outstanding loses its
+    reservation then (``expired``). A cell leaving rollout loses its idle contexts
+    (``dropped_contexts``); its reservations move to the rollout cell with most room
+    (``handover_migrate``, a live call with its reservation where that cell can take it now,
+    else the call is retried as a new execution's) or are dropped (re-prefill).
+    """
+
+    def __init__(self, sim, engine_pool: tuple[int, int]):
+        super().__init__(sim, engine_pool)
+        self.called: set = set()  # executions with a call since the last new weights
+
+    def _slots(self) -> int:
+        return max(self.cost.slots, 0)
+
+    def _can_place(self, c, req) -> bool:  # Engine.can_admit: a free slot and pool room
+        return self._open(c) and self._fits(c, req.need)
+
+    def _receivers(self, c) -> list[int]:  # the proxy's rollout cells
+        return [o.i for o in self.sim.cells if o is not c and o.role == ROLLOUT and not o.switching]
+
+    def _pinned(self, key, c) -> bool:
+        led = self.ledger
+        return isinstance(key, ExState) and led.holds(key) and led.cell_of(key) == c.i
+
+    def route(self, req) -> None:
+        self.called.add(req.ex)
+        super().route(req)
+
+    def _evict(self, c) -> None:
+        """Engine._make_room: idle contexts least recently used first, pinned ones last."""
+        cap = self.cost.kv_capacity_tokens + self.tol
+        if c.kv_live + c.kv_idle <= cap:
+            return
+        counters = self.sim.counters
+        for key in sorted(c.idle, key=lambda k: self._pinned(k, c)):  # stable: LRU within
+            if c.kv_live + c.kv_idle <= cap:
+                break
+            counters["pinned_evictions"] += self._pinned(key, c)
+            c.kv_idle -= c.idle.pop(key)
+            key.cell, key.held = None, 0.0
+            (key if isinstance(key, ExState) else key.owner).lost.add(c)
+            counters["evictions"] += 1
+
+    def _preempt(self, c) -> None:
+        """Frees the youngest reservation on ``c``; its context stays there, idle, unpinned."""
+        self.ledger.preempt(self.ledger.youngest(c.i))
+        self.sim.counters["preemptions"] += 1
+        self._unadmitted()
+
+    def _dest(self, es, need: float, src, live: bool):
+        dst = super()._dest(es, need, src, live)
+        if live and dst is not None and not (self._open(dst) and self._fits(dst, need)):
+            dst = None  # the proxy retries a live call its reservation's cell cannot take now
+        if live and dst is None and self.ledger.holds(es):
+            self.ledger.preempt(es)
+        return dst
+
+    def _hand_idle(self, es, held: float, src) -> float:
+        """Only a placed call's cached prefix moves with it; idle contexts are lost."""
+        if isinstance(es, ExState) and es.req is not None and es.req.cell is src:
+            return super()._hand_idle(es, held, src)
+        es.cell, es.held = None, 0.0
+        self.sim.counters["dropped_contexts"] += 1
+        return 0.0
+
+    def new_weights(self) -> None:
+        """Idle contexts go (reservations stay); those of executions with no call since the
+        last weights and none outstanding expire (Proxy._expire)."""
+        super().new_weights()
+        led = self.ledger
+        for es in [k for i in range(self.sim.k) for k in led.keys_on(i)]:
+            if es not in self.called and es.req is None:
+                led.preempt(es)
+                self.sim.counters["expired"] += 1
+        self.called = set()
+        self._unadmitted()
+        self.fill_all()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gyre import bounds
+
 ROLLOUT, TRAIN = "rollout", "train"
 
 
@@ -121,10 +123,7 @@ class PolicyParams:
     leave_round_trips: float = 3.0
 
     def __post_init__(self):
-        if not self.leave_round_trips >= 0:
-            raise ValueError(
-                f"PolicyParams.leave_round_trips must be >= 0, got {self.leave_round_trips}"
-            )
+        bounds.check(self, "scheduler")
 
 
 @dataclasses.dataclass(frozen=True)

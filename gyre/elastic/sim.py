@@ -2,7 +2,8 @@
 
 Structure: one event loop (:class:`Simulator`; events are small typed tuples, each type with
 one handler) and the memory model as a strategy beside it (gyre/elastic/memory.py:
-``NoMemory``, ``TokenPools``, ``EnginePools``, ``ResidentPools``), chosen by the cost model.
+``NoMemory``, ``TokenPools``, ``EnginePools``, ``ResidentPools``, ``EngineResidentPools``),
+chosen by the cost model and ``engine_pool``.
 
 Model (every approximation is one line here, so results can be read against it):
 - A rollout cell decodes its live requests together. One decode step takes
@@ -82,6 +83,25 @@ Memory (``kv_capacity_tokens > 0``; otherwise the prefix cache is global, unlimi
   ``counters['reprefill_tokens']`` counts as the engine does: a call placed on a cell that
   evicted one of its execution's contexts since the last weights, up to its prompt's last
   token (the engine keeps one record per execution and cell).
+- ``engine_pool`` with ``resident_admission`` (``EngineResidentPools``): the engine's pool
+  rule under the proxy's resident admission (gyre/rollout/proxy.py ``admission="resident"``),
+  through the same ``ResidentAdmission`` ledger: a reservation of the call's footprint (or
+  the mean peak footprint of the executions ended so far if larger), grown per call on the
+  execution's own cell; at most ``slots`` admitted executions per cell; a call is placed
+  where the engine could take it now (a slot, live footprints + its own within the pool) and
+  the ledger has room; admitted executions' calls first, new ones FIFO with the head
+  blocking, none admitted to a cell where a growth waits; a cell where a growth waits with
+  nothing running (a call just done counts as nothing running: its execution's reservation
+  goes only at its end) preempts its youngest (``counters['preemptions']``; its context stays,
+  unpinned). Eviction takes idle contexts least recently used first, those of executions
+  admitted to that cell last (``counters['pinned_evictions']``: 0 while reservations fit the
+  pool), so contexts of ended, preempted or moved-away executions go first. New weights
+  clear idle contexts, reservations stay; an execution with no call over a whole weight
+  version and none outstanding loses its reservation then (``counters['expired']``). A
+  cell leaving rollout loses its idle contexts (``dropped_contexts``) and moves each
+  reservation to the rollout cell with most room (``handover_migrate``; a live call goes
+  with it where that cell can take it now, else it is retried as a new execution's) or
+  drops it.
 
 Options for modelling the real engine on one CPU (all off by default):
 - ``prefill_chunk > 0``: prefill runs like the engine's fixed-shape program, in chunks (a
@@ -111,7 +131,13 @@ import math
 from typing import NamedTuple
 
 from gyre.elastic.costs import CostModel, SimResult, shared_clock  # noqa: F401 (re-exported)
-from gyre.elastic.memory import EnginePools, NoMemory, ResidentPools, TokenPools
+from gyre.elastic.memory import (
+    EnginePools,
+    EngineResidentPools,
+    NoMemory,
+    ResidentPools,
+    TokenPools,
+)
 from gyre.elastic.policy import POLICIES, ROLLOUT, TRAIN, LoadSnapshot, PolicyParams
 from gyre.elastic.simstate import Cell, ExState, Req
 from gyre.elastic.workload import Execution
@@ -122,7 +148,8 @@ DEFAULT_PARAMS = PolicyParams()
 _TOKEN_TOL = 1e-6
 _TPS_WEIGHT = 0.3  # the controller's running-mean weight (gyre/rl/measure.py)
 _COUNTERS = ("evictions", "reprefill_tokens", "migrated_contexts", "migrated_tokens",
-             "dropped_contexts", "moved_calls")  # fmt: skip
+             "dropped_contexts", "moved_calls", "preemptions", "expired",
+             "pinned_evictions")  # fmt: skip
 
 
 # ---- events: (time, seq, event) on one heap, each type with one handler -------------------
@@ -205,9 +232,8 @@ class Simulator:
         if not cost.memory:
             self.memory = NoMemory(self)
         elif engine_pool is not None:
-            if cost.resident_admission:
-                raise ValueError("resident_admission is not modelled with engine_pool")
-            self.memory = EnginePools(self, engine_pool)
+            pools = EngineResidentPools if cost.resident_admission else EnginePools
+            self.memory = pools(self, engine_pool)
         elif cost.resident_admission:
             self.memory = ResidentPools(self)
         else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gyre import bounds
 from gyre.envs.base import Environment
 from gyre.envs.code import CodeEnv
 from gyre.envs.faults import FaultyTools
@@ -43,6 +44,9 @@ class EnvSpec:
     max_runs: int = 8  # code: test runs before the task counts as failed
     keep_thinking: bool = False  # chat: the environment sees the model's <think> text
     enable_thinking: bool = True  # chat: the template's enable_thinking (Qwen3 hybrid models)
+
+    def __post_init__(self):
+        bounds.check(self, "env", max_wrong="agent.max_retries")
 
 
 def _ledger(spec: EnvSpec) -> LedgerEnv:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gyre import bounds
 from gyre import mesh as gmesh
 from gyre.model import attention
 
@@ -157,6 +158,7 @@ class ModelSpec:
     attn_block: int
 
     def __post_init__(self):
+        bounds.check(self, "model")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_heads % self.num_kv_heads:

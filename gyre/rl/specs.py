@@ -11,6 +11,7 @@ import dataclasses
 import json
 import typing
 
+from gyre import bounds
 from gyre.agent.context import AgentSettings
 from gyre.cluster.spec import ClusterSpec
 from gyre.elastic.policy import PolicyParams
@@ -43,11 +44,9 @@ class RunSpec:
     seed_train_tps: float = 1000.0
 
     def __post_init__(self):
-        names = ("steps", "tasks_per_step", "samples_per_task", "checkpoint_every",
-                 "keep_checkpoints")  # fmt: skip
-        for name in names:
-            if getattr(self, name) < 1:
-                raise ValueError(f"run setting {name} must be >= 1, got {getattr(self, name)}")
+        bounds.check(self, "run", checkpoint_every="train.checkpoint_every",
+                     keep_checkpoints="train.keep_checkpoints",
+                     switch_cost_s="scheduler.switch_cost_s")  # fmt: skip
 
     @property
     def executions_per_step(self) -> int:
@@ -63,6 +62,9 @@ class EvalSpec:
     every: int = 0
     temperature: float = 0.0
     seed: int = 0
+
+    def __post_init__(self):
+        bounds.check(self, "eval")
 
     def due(self, version: int, last: bool) -> bool:
         """Whether to evaluate after the optimizer step that made weight ``version``."""
@@ -83,6 +85,9 @@ class SftRecipe:
     context_window: int = 512
     seed: int = 0
 
+    def __post_init__(self):
+        bounds.check(self, "sft", context_window="agent.context_window")
+
 
 @dataclasses.dataclass(frozen=True)
 class SftSpec:
@@ -97,6 +102,9 @@ class SftSpec:
     eval_every: int = 50
     eval_tasks: int = 16
     dir: str = ""  # "" = the shared cache (gyre/cache.py)
+
+    def __post_init__(self):
+        bounds.check(self, "sft", eval_tasks="eval.tasks")
 
     def done(self, steps: int, accuracy: float) -> bool:
         target = self.target_accuracy

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from gyre import bounds
 from gyre import mesh as gmesh
 from gyre.model import decoder as gdec
 from gyre.rollout import sampler
@@ -56,21 +57,15 @@ class RolloutSpec:
     kv_block: int = -1
 
     def __post_init__(self):
-        for name in ("slots", "max_len", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.decode_steps < 1 and self.decode_steps != -1:
+        bounds.check(self, "rollout")
+        if self.decode_steps == 0:
             raise ValueError(
                 f"rollout.decode_steps must be -1 (auto) or >= 1, got {self.decode_steps}"
             )
-        if self.kv_block < -1:
-            raise ValueError(f"rollout.kv_block must be -1 (auto), 0 or >= 1, got {self.kv_block}")
         if self.admission not in ADMISSIONS:
             raise ValueError(
                 f"rollout.admission must be one of {ADMISSIONS}, got {self.admission!r}"
             )
-        if self.kv_tokens < 0:
-            raise ValueError(f"rollout.kv_tokens must be >= 0, got {self.kv_tokens}")
         if self.cpu_vector_width not in CPU_VECTOR_WIDTHS:
             raise ValueError(
                 f"rollout.cpu_vector_width must be one of {CPU_VECTOR_WIDTHS}, "

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from gyre import bounds
 from gyre.trajectory import schema
 
 
@@ -43,13 +44,7 @@ class LossSpec:
     tis_cap: float = 0.0  # 0 = off; else stale tokens get min(pi_start / pi_behaviour, cap)
 
     def __post_init__(self):
-        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
-            raise ValueError(
-                f"train.clip_low ({self.clip_low}) must be in [0, 1) and train.clip_high "
-                f"({self.clip_high}) >= 0"
-            )
-        if self.tis_cap < 0:
-            raise ValueError(f"train.tis_cap must be >= 0, got {self.tis_cap}")
+        bounds.check(self, "train")
 
 
 def token_logprobs(logits_RxTxV, tokens_RxT, pred_RxT):

@@ -14,6 +14,8 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from gyre import bounds
+
 SCHEDULES = ("constant", "cosine")
 
 
@@ -36,10 +38,7 @@ class OptimizerSpec:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.grad_clip < 0:
-            raise ValueError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        bounds.check(self, "train")
         if self.schedule == "cosine" and self.decay_steps < 1:
             raise ValueError(f"a cosine schedule needs decay_steps >= 1, got {self.decay_steps}")
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gyre import bounds
 from gyre.trajectory import schema
 from gyre.trajectory.advantages import (
     LOSS_MODES,
@@ -83,11 +84,9 @@ class TrajectorySpec:
     rows_per_microbatch: int = 4  # row counts are multiples of it (one compile per bucket)
 
     def __post_init__(self):
-        if self.row_len < 128 or self.row_len % 128:
-            raise ValueError(f"trajectory.row_len must be a positive multiple of 128, got "
-                             f"{self.row_len}")  # fmt: skip
-        if self.max_paths < 0:
-            raise ValueError(f"trajectory.max_paths must be >= 0, got {self.max_paths}")
+        bounds.check(self, "trajectory", rows_per_microbatch="train.rows_per_microbatch")
+        if self.row_len % 128:
+            raise ValueError(f"trajectory.row_len must be a multiple of 128, got {self.row_len}")
         for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
                                      ("packing", self.packing, PACKINGS),
                                      ("reward", self.reward, REWARDS)):  # fmt: skip
