@@ -79,19 +79,32 @@ BOUNDS: dict[str, Bound] = {
     "run.watchdog_s": _ge(0),
     "scheduler.max_staleness": _ge(0), "scheduler.async_rollout_cells": _ge(0),
     "scheduler.slack_cells": _ge(0), "scheduler.switch_cost_s": _ge(0),
-    "scheduler.leave_round_trips": _ge(0),
+
     "eval.tasks": _ge(0), "eval.every": _ge(0), "eval.temperature": _ge(0),
     "sft.steps": _ge(0), "sft.target_accuracy": UNIT, "sft.batch": _ge(1), "sft.lr": _gt(0),
     "sft.eval_every": _ge(1), "sft.mistake_prob": UNIT, "sft.seed": _ge(-1),
 }  # fmt: skip
 
 
+def knob(default, bound: Bound):
+    """A spec field with its default and its interval declared together (a new knob is then
+    one line in its spec and one in config.py): ``x: float = knob(3.0, Bound(0))``."""
+    return dataclasses.field(default=default, metadata={"bound": bound})
+
+
+def declared(sections) -> dict[str, Bound]:
+    """The intervals declared on spec fields with :func:`knob`, by config key, for
+    ``sections``: (section, spec class) pairs."""
+    return {f"{section}.{f.name}": f.metadata["bound"] for section, cls in sections
+            for f in dataclasses.fields(cls) if "bound" in f.metadata}  # fmt: skip
+
+
 def check(spec, section: str, **keys: str) -> None:
-    """Raises ValueError naming the first field of ``spec`` outside its key's interval; a
-    field is checked against ``<section>.<field>`` (or the key ``keys`` names for it)."""
+    """Raises ValueError naming the first field of ``spec`` outside its interval (declared on
+    the field, or :data:`BOUNDS` of ``<section>.<field>``, or of the key ``keys`` names)."""
     for f in dataclasses.fields(spec):
         key = keys.get(f.name, f"{section}.{f.name}")
-        bound = BOUNDS.get(key)
+        bound = f.metadata.get("bound", BOUNDS.get(key))
         value = getattr(spec, f.name)
         if bound is not None and not (isinstance(value, int | float) and value in bound):
             raise ValueError(f"{key} must be {bound}, got {value!r}")

@@ -14,8 +14,8 @@ import types
 
 import ml_collections
 
+from gyre import bounds
 from gyre.agent.context import AgentSettings
-from gyre.bounds import BOUNDS
 from gyre.cluster.spec import BACKENDS, ClusterSpec
 from gyre.elastic.policy import POLICIES, PolicyParams
 from gyre.envs.registry import ENVIRONMENTS, EnvSpec
@@ -33,6 +33,13 @@ from gyre.trajectory.advantages import LOSS_MODES, REWARDS
 from gyre.trajectory.batch import PACKINGS, TrajectorySpec
 
 __all__ = ["BOUNDS", "ConfigError", "default_config", "validate"]
+
+# Every numeric key's interval: gyre/bounds.py's table, and those declared on spec fields.
+SPEC_SECTIONS = (("mesh", MeshSpec), ("cluster", ClusterSpec), ("trajectory", TrajectorySpec),
+                 ("train", OptimizerSpec), ("train", LossSpec), ("rollout", RolloutSpec),
+                 ("agent", AgentSettings), ("env", EnvSpec), ("scheduler", PolicyParams),
+                 ("eval", EvalSpec))  # fmt: skip
+BOUNDS = {**bounds.BOUNDS, **bounds.declared(SPEC_SECTIONS)}
 
 
 def default_config() -> ml_collections.ConfigDict:

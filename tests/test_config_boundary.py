@@ -195,3 +195,41 @@ def test_a_spec_built_in_code_is_held_to_the_config_s_intervals():
     cfg.env.fault_rate = 1.0
     with pytest.raises(ConfigError, match="env.fault_rate"):
         validate(cfg)
+
+
+def test_a_scheduler_knob_is_a_field_and_a_config_line(monkeypatch):
+    """The README's recipe: a PolicyParams field declared with its default and interval
+    (gyre/elastic/policy.py) and one config line (gyre/config.py) are all a knob needs."""
+    import dataclasses
+
+    from gyre import bounds, config
+    from gyre.elastic import policy
+
+    Knobbed = dataclasses.make_dataclass(
+        "PolicyParams",
+        [("my_knob", float, bounds.knob(1.0, bounds.Bound(0)))],
+        bases=(policy.PolicyParams,),
+        frozen=True,
+    )
+    monkeypatch.setattr(policy, "PolicyParams", Knobbed)  # the field, in its module ...
+    monkeypatch.setattr(builder, "PolicyParams", Knobbed)  # (the builder's import of it)
+    monkeypatch.setattr(config, "PolicyParams", Knobbed)
+    make = config.default_config
+
+    def with_line():  # ... and the one config line
+        c = make()
+        c.scheduler.my_knob = Knobbed.__dataclass_fields__["my_knob"].default
+        return c
+
+    monkeypatch.setattr(config, "default_config", with_line)
+    sections = [(s, Knobbed if s == "scheduler" else c) for s, c in config.SPEC_SECTIONS]
+    monkeypatch.setattr(config, "BOUNDS", {**bounds.BOUNDS, **bounds.declared(sections)})
+    cfg = with_line()
+    cfg.scheduler.my_knob = 2.5
+    config.validate(cfg)
+    assert builder.build_specs(cfg).scheduler.my_knob == 2.5
+    cfg.scheduler.my_knob = -1.0
+    with pytest.raises(ConfigError, match="'scheduler.my_knob' must be >= 0"):
+        config.validate(cfg)
+    with pytest.raises(ValueError, match="scheduler.my_knob must be >= 0"):
+        Knobbed(my_knob=-1.0)

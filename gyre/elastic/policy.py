@@ -120,7 +120,7 @@ class PolicyParams:
     async_rollout_cells: int = 0
     max_staleness: int = 1
     slack_cells: int = 1
-    leave_round_trips: float = 3.0
+    leave_round_trips: float = bounds.knob(3.0, bounds.Bound(0))
 
     def __post_init__(self):
         bounds.check(self, "scheduler")
