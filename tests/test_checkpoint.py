@@ -3,7 +3,8 @@
 import jax
 import numpy as np
 import pytest
-from test_train_step import small_config, step_batch
+from test_train_step import step_batch
+from worlds import small_config
 
 from gyre.mesh import make_cells
 from gyre.model import decoder

@@ -9,11 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from strategies import branchy_execution
+from worlds import small_config, train_world
 
-from gyre.config import default_config
-from gyre.mesh import make_cells
-from gyre.model import decoder
-from gyre.rl.builder import build_specs
 from gyre.train import loss as tloss
 from gyre.train.step import Trainer, TrainerSpec, split_microbatches
 from gyre.trajectory import schema
@@ -24,15 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not us
 
 @pytest.fixture(scope="module")
 def world():
-    cfg = default_config()
-    cfg.model.update(vocab_size=16, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                     head_dim=16, d_ff=64, attn_block=128)  # fmt: skip
-    cfg.trajectory.row_len = 128
-    cfg.train.rows_per_microbatch = 2
-    specs = build_specs(cfg)
-    cells = make_cells(2)
-    graphdef, params = decoder.init_sharded(specs.model, 0, cells[0], "train")
-    return specs, cells, graphdef, params
+    return train_world(small_config(lr=1e-4))
 
 
 def _demos(n=3):

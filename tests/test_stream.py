@@ -7,11 +7,8 @@ import jax
 import numpy as np
 import pytest
 from strategies import branchy_execution
+from worlds import small_config, train_world
 
-from gyre.config import default_config
-from gyre.mesh import make_cells
-from gyre.model import decoder
-from gyre.rl.builder import build_specs
 from gyre.train.step import Trainer, split_microbatches
 from gyre.trajectory.advantages import LOSS_MODES, normaliser_count, path_coefficients
 from gyre.trajectory.batch import ExecutionResult, build_batch
@@ -45,16 +42,7 @@ def test_normaliser_count_rejects_unknown_mode():
 
 @pytest.fixture(scope="module")
 def world():
-    cfg = default_config()
-    cfg.model.update(vocab_size=16, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                     head_dim=16, d_ff=64, attn_block=128)  # fmt: skip
-    cfg.trajectory.row_len = 128
-    cfg.train.rows_per_microbatch = 2
-    cfg.train.lr = 1e-2
-    specs = build_specs(cfg)
-    cells = make_cells(2)  # 4 cells of 2 devices
-    graphdef, params = decoder.init_sharded(specs.model, 0, cells[0], "train")
-    return specs, cells, graphdef, params
+    return train_world(small_config())
 
 
 def _groups():

@@ -7,25 +7,13 @@ import jax
 import numpy as np
 import pytest
 from strategies import branchy_execution
+from worlds import small_config, train_world
 
-from gyre.config import default_config
-from gyre.mesh import make_cells
 from gyre.model import decoder
-from gyre.rl.builder import build_specs
 from gyre.train.step import Trainer, TrainingDiverged, split_microbatches, update_program
 from gyre.trajectory.batch import ExecutionResult, build_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
-
-
-def small_config():
-    cfg = default_config()
-    cfg.model.update(vocab_size=16, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                     head_dim=16, d_ff=64, attn_block=128)  # fmt: skip
-    cfg.trajectory.row_len = 128
-    cfg.train.rows_per_microbatch = 2
-    cfg.train.lr = 1e-2
-    return cfg
 
 
 def step_batch(specs, seed):
@@ -42,10 +30,7 @@ def step_batch(specs, seed):
 
 @pytest.fixture(scope="module")
 def world():
-    specs = build_specs(small_config())
-    cells = make_cells(2)  # 4 cells of 2 devices
-    graphdef, params = decoder.init_sharded(specs.model, 0, cells[0], "train")
-    return specs, cells, graphdef, params
+    return train_world(small_config())
 
 
 def _leaves(tree):

@@ -204,11 +204,12 @@ async def run_execution(env: Environment, task: Task, client, settings: AgentSet
 
 
 async def run_executions(env: Environment, tasks: list[Task], client, settings: AgentSettings,
-                         clock=time.monotonic) -> list[ExecutionResult]:  # fmt: skip
+                         clock=time.monotonic, on_end=None) -> list[ExecutionResult]:  # fmt: skip
     """Runs one execution per entry of ``tasks`` (repeat a task for several samples).
 
     Execution ids are '<task_id>#<n>' with n counting repeats of the task. Results come back
-    in task order; at most ``settings.concurrency`` executions are in flight.
+    in task order; at most ``settings.concurrency`` executions are in flight. on_end(id) is
+    called as each execution ends, however it ends (the proxy's admission releases then).
     """
     settings = settings.for_env(env)
     gate = asyncio.Semaphore(settings.concurrency)
@@ -221,6 +222,10 @@ async def run_executions(env: Environment, tasks: list[Task], client, settings: 
 
     async def one(task, eid):
         async with gate:
-            return await _Execution(env, task, client, settings, eid, clock).run()
+            try:
+                return await _Execution(env, task, client, settings, eid, clock).run()
+            finally:
+                if on_end is not None:
+                    on_end(eid)
 
     return list(await asyncio.gather(*(one(t, e) for t, e in zip(tasks, ids))))

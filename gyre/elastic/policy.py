@@ -169,6 +169,26 @@ def async_split(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Al
     return Allocation(roles, f"fixed split {k - r} train / {r} rollout", dispatch)
 
 
+def _demand(snap: LoadSnapshot, params: PolicyParams) -> tuple[bool, int, float]:
+    """(whether a batch may be dispatched now, executions rollout owes: the outstanding ones
+    plus that batch, the capacity ``slack_cells`` spare rollout cells hold)."""
+    dispatch = _may_dispatch(snap, params.max_staleness)
+    demand = snap.outstanding + (snap.next_batch if dispatch else 0)
+    return dispatch, demand, params.slack_cells * max(snap.rollout_capacity)
+
+
+def _no_starved_role(snap: LoadSnapshot, roles: list, demand: int, moved_out, moved_in) -> None:
+    """Demand never lacks a rollout cell (the last cell returns), and queued tokens with no
+    demand left never lack a train cell (the core goes), whatever the switch costs: nothing
+    else would ever serve them."""
+    if demand > 0 and ROLLOUT not in roles:
+        roles[-1] = ROLLOUT
+        moved_in.append(len(roles) - 1)
+    if snap.train_queue_tokens > 0 and demand == 0 and TRAIN not in roles:
+        roles[0] = TRAIN
+        moved_out.append(0)
+
+
 def _capacity(snap: LoadSnapshot, cells) -> float:
     return sum(snap.rollout_capacity[i] for i in cells)
 
@@ -186,9 +206,7 @@ def elastic_memory(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) ->
     queue with no demand left never lacks a train cell.
     """
     k = snap.num_cells
-    dispatch = _may_dispatch(snap, params.max_staleness)
-    demand = snap.outstanding + (snap.next_batch if dispatch else 0)
-    slack = params.slack_cells * max(snap.rollout_capacity)
+    dispatch, demand, slack = _demand(snap, params)
     roles = list(snap.roles)
     rollout = [i for i in range(k) if roles[i] == ROLLOUT]
 
@@ -216,13 +234,7 @@ def elastic_memory(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) ->
             roles[i] = ROLLOUT
             rollout.append(i)
             moved_in.append(i)
-    if demand > 0 and not rollout:
-        roles[k - 1] = ROLLOUT
-        moved_in.append(k - 1)
-    if queue > 0 and demand == 0 and TRAIN not in roles:
-        # Nothing else will ever drain the queue, whatever the switch costs.
-        roles[0] = TRAIN
-        moved_out.append(0)
+    _no_starved_role(snap, roles, demand, moved_out, moved_in)
     need = math.ceil(demand / max(snap.rollout_capacity)) if demand else 0
     reason = f"demand {demand} (~{need} cells) + slack {params.slack_cells}"
     if moved_out:
@@ -249,9 +261,7 @@ def elastic_throughput(snap: LoadSnapshot, params: PolicyParams = PolicyParams()
     lack a train cell.
     """
     k = snap.num_cells
-    dispatch = _may_dispatch(snap, params.max_staleness)
-    demand = snap.outstanding + (snap.next_batch if dispatch else 0)
-    slack = params.slack_cells * max(snap.rollout_capacity)
+    dispatch, demand, slack = _demand(snap, params)
     roles = list(snap.roles)
     rollout = [i for i in range(k) if roles[i] == ROLLOUT]
     work = snap.trainable_tokens
@@ -282,13 +292,7 @@ def elastic_throughput(snap: LoadSnapshot, params: PolicyParams = PolicyParams()
             roles[i] = ROLLOUT
             rollout.append(i)
             moved_in.append(i)
-    if demand > 0 and not rollout:
-        roles[k - 1] = ROLLOUT
-        moved_in.append(k - 1)
-    if snap.train_queue_tokens > 0 and demand == 0 and TRAIN not in roles:
-        # Nothing else will ever drain the queue, whatever the switch costs.
-        roles[0] = TRAIN
-        moved_out.append(0)
+    _no_starved_role(snap, roles, demand, moved_out, moved_in)
     reason = f"demand {demand}, trainable {work:.0f} tokens"
     if moved_out:
         reason += f"; cells {moved_out} leave rollout"

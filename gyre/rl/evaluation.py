@@ -7,13 +7,12 @@ change to for it (the controller applies them like any allocation, so the timeli
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import numpy as np
 
 from gyre.agent.context import AgentSettings
-from gyre.agent.harness import run_execution
+from gyre.agent.harness import run_executions
 from gyre.metrics import standard_error
 
 # Held-out tasks come from the task seed HELD_OUT_BASE + seed; training draws one task seed per
@@ -46,26 +45,10 @@ def end_execution(client, execution_id: str) -> None:
 
 
 async def run_ended(env, tasks: list, client, settings: AgentSettings) -> list:
-    """:func:`gyre.agent.harness.run_executions` (one execution per entry of ``tasks``, ids
-    '<task_id>#<n>', results in task order, at most ``concurrency`` in flight), telling the
-    client as each execution ends, so the proxy's admission releases its reservation then."""
-    settings = settings.for_env(env)
-    gate = asyncio.Semaphore(settings.concurrency)
-    seen: dict[str, int] = {}
-    ids = []
-    for task in tasks:
-        n = seen.get(task.task_id, 0)
-        seen[task.task_id] = n + 1
-        ids.append(f"{task.task_id}#{n}")
-
-    async def one(task, eid):
-        async with gate:
-            try:
-                return await run_execution(env, task, client, settings, eid)
-            finally:
-                end_execution(client, eid)
-
-    return list(await asyncio.gather(*(one(t, e) for t, e in zip(tasks, ids))))
+    """:func:`gyre.agent.harness.run_executions`, telling the client as each execution ends,
+    so the proxy's admission releases its reservation then."""
+    return await run_executions(env, tasks, client, settings,
+                                on_end=lambda eid: end_execution(client, eid))  # fmt: skip
 
 
 def required_roles(roles: tuple[str, ...]) -> tuple[str, ...]:
