@@ -61,8 +61,13 @@ import numpy as np
 from gyre.elastic.admission import ResidentAdmission
 from gyre.errors import CellLost
 from gyre.rollout.engine import footprint, request_name, validate_request
-from gyre.rollout.programs import ADMISSIONS
-from gyre.rollout.types import HANDOVERS, GenerateRequest, GenerateResponse, ServingEngine
+from gyre.rollout.types import (
+    ADMISSIONS,
+    HANDOVERS,
+    GenerateRequest,
+    GenerateResponse,
+    ServingEngine,
+)
 
 
 @dataclasses.dataclass
@@ -93,12 +98,14 @@ class Proxy:
         for e in engines:
             e.on_admit = self._admitted
         # Resident admission: the ledger of KV reservations per cell (None: admission 'none').
-        # One capacity for every cell: the smallest pool.
+        # One capacity for every cell: the smallest pool; at most as many executions admitted
+        # to a cell as it has slots (each one's context needs a slot of its own to stay).
         self.admission = admission
         self.ledger = None
         if admission == "resident":
             budget = min(e.budget for e in engines)
-            self.ledger = ResidentAdmission(max(self.engines) + 1, max(budget, 1))
+            slots = min(e.num_live + e.free_slots() for e in engines)
+            self.ledger = ResidentAdmission(max(self.engines) + 1, max(budget, 1), slots)
             for i, e in self.engines.items():
                 e.pinned = functools.partial(self._pinned, i)
         self.called: set[str] = set()  # executions with a call since the last set_weights
@@ -198,13 +205,9 @@ class Proxy:
         self._recover()
         if self.ledger is not None:
             self._dispatch_resident()
-        while self.ledger is None and self.waiting:
-            call = self.calls[self.waiting[0]]
-            target = self._pick(call)
-            if target is None:
-                break
-            self.waiting.popleft()
-            self._submit(call, target)
+        else:  # FIFO, the head blocking
+            while self.waiting and (target := self._pick(self.calls[self.waiting[0]])) is not None:
+                self._submit(self.calls[self.waiting.popleft()], target)
         if self._recover():  # a submit found its cell lost
             self._dispatch()
 
@@ -258,18 +261,12 @@ class Proxy:
                 return
             call = self.calls[head]
             open_ = [i for i in sorted(self.rollout) if i not in blocked
-                     and self.engines[i].can_admit(call.current) and self._has_slot(i)]  # fmt: skip
+                     and self.engines[i].can_admit(call.current)]  # fmt: skip
             target = led.admit(call.request.execution_id, self._need(call), open_)
             if target is None:
                 return
             self.waiting.remove(head)
             self._submit(call, target)
-
-    def _has_slot(self, cell_index: int) -> bool:
-        """Whether the cell holds fewer admitted executions than slots (each one's context
-        needs a slot of its own to stay resident)."""
-        e = self.engines[cell_index]
-        return len(self.ledger.keys_on(cell_index)) < e.num_live + e.free_slots()
 
     def _preempt(self, cell_index: int) -> None:
         """Drops the youngest reservation on the cell; its waiting call, if any, goes to the
