@@ -91,13 +91,13 @@ def main(cfg, workdir: str, allow_config_change: bool = False, **hooks) -> dict:
     """
     try:
         validate(cfg)
-        entry = resolve_entry(cfg.run.entry)
         from gyre import mesh
         from gyre.rl import builder
 
         # every part's own checks, the cell layout and the environment, before anything is
         # written into the workdir (a tiny checkpoint may be made in the cache)
         specs = builder.build_specs(cfg)  # touches no JAX backend: the device count comes next
+        entry = resolve_entry(specs.entry)
         setup_devices(specs.mesh.cpu_devices)
         if specs.cluster.backend == "local":  # a Ray actor checks its own devices
             mesh.cells_for(specs.mesh)

@@ -123,6 +123,9 @@ CONFIG_READERS = {"config.py", "run.py", "rl/builder.py"}
 
 
 def test_no_module_below_the_builder_receives_a_config():
+    """Statically: no module outside config, run and the builder imports ml_collections or
+    gyre.config, calls build_specs, or takes an argument named ``cfg`` (the imports are what
+    guard; the name check catches the common way a config would be handed down)."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = str(path.relative_to(PACKAGE))

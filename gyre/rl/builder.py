@@ -85,7 +85,7 @@ def _checkpoint_model(path: str, model: decoder.ModelSpec, seed: int):
     the same loading path as a real checkpoint. A directory with a tokenizer (a Hugging Face
     Qwen3 checkpoint) defines the architecture: the config's model.* keys then only set what
     config.json does not hold (attention implementation, dtype). A directory without one (a
-    ledger export) must match the config's architecture (checked when it loads).
+    ledger export) must match the config's architecture (checked here, from its config.json).
     """
     if path == "tiny":
         from gyre.cache import cache_path

@@ -29,7 +29,6 @@ class Rollouts:
     def __init__(self, rt, timeline, on_progress, start):
         self.specs, self.env, self.timeline = rt.specs, rt.env, timeline
         self.client = Notifying(rt.proxy, on_progress)
-        self.end_execution = rt.proxy.end_execution  # the proxy's admission releases it
         self.on_progress, self.start = on_progress, start
         self.trace = TraceWriter(rt.path("trace.jsonl"), rt.specs.agent.max_seconds)
         self.counters = collections.Counter()
@@ -73,7 +72,7 @@ class Rollouts:
                 try:
                     res = await run_execution(self.env, task, self.client, self.specs.agent, eid)
                 finally:  # ended, failed or cancelled: its KV reservation goes
-                    self.end_execution(eid)
+                    self.client.end_execution(eid)
             self.counters["finished"] += 1
             self.trace.record(res, work.step, group, start, self.timeline.now())
             self.on_progress()
