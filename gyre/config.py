@@ -207,6 +207,10 @@ def default_config() -> ml_collections.ConfigDict:
     # elastic: a cell leaves rollout only for trainable work that keeps the train cells busy
     # for this many switch round trips (gyre/elastic/policy.py)
     c.scheduler.leave_round_trips = sched.leave_round_trips
+    # Carry-over: a step closes once this share of its task groups has finished (1.0 = all,
+    # off); groups still running carry into the next step, at most max_carry steps.
+    c.scheduler.close_share = sched.close_share
+    c.scheduler.max_carry = sched.max_carry
     # What the policy assumes until the run has measured its own figures: seconds a role
     # switch costs, and the calibration (gyre/elastic/calibrations/<name>.json, or a path)
     # whose training speed seeds each cell's train tokens/s.

@@ -169,6 +169,29 @@ def test_kill_mid_step_and_resume_continues_exactly(shared, tmp_path):
 
 
 @pytest.mark.slow
+def test_carry_over_trains_every_group_once_across_a_kill(shared, tmp_path):
+    """Steps close at half their groups; the rest are trained by the next step. Killed by
+    SIGKILL inside step 1 and relaunched, every group of every step is trained by exactly
+    one step, and the last step waits for everything."""
+    carry = ["--config.scheduler.close_share=0.5", "--config.scheduler.max_staleness=1",
+             "--config.scheduler.policy=async"]  # fmt: skip
+    dead = _launch(tmp_path, shared, steps=3, kill_after=5, extra=carry)
+    assert dead.returncode == -9, dead.stderr[-2000:]
+    again = _launch(tmp_path, shared, steps=3, extra=carry)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ledger = _ledger(tmp_path)
+    assert [row["step"] for row in ledger] == [0, 1, 2]
+    groups = [tuple(g) for row in ledger for g in row["groups"]]
+    assert sorted(groups) == [(s, i) for s in range(3) for i in range(4)]  # each once
+    ids = [i for row in ledger for i in row["executions"]]
+    assert len(ids) == len(set(ids)) == 3 * 4 * 4
+    for row in ledger:  # a group is trained by its own step or the next one
+        assert all(row["step"] - 1 <= s <= row["step"] for s, _ in row["groups"])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["INT", "TERM"])
 def test_ctrl_c_and_sigterm_stop_after_the_step_and_resume(shared, tmp_path, sig):
     # The signal comes inside step 2 of 3: that step finishes, is checkpointed, and the run

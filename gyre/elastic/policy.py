@@ -38,8 +38,10 @@ class LoadSnapshot:
     trainable_tokens: tokens a train cell could take now and none has taken: the oldest
       step's full micro-batches queued, or everything it has queued once its rollout is done
       (micro-batches in flight excluded).
-    rolled_out: every execution of the oldest untrained step has ended, so its remaining
-      tokens gate its optimizer step (and, through the staleness bound, the next dispatch).
+    rolled_out: the oldest untrained step may close: every execution it waits for has ended
+      (all of its own, or with carry-over ``PolicyParams.close_share`` of its groups and the
+      groups carried into it as far as they may go), so its remaining tokens gate its
+      optimizer step (and, through the staleness bound, the next dispatch).
     rollout_tokens_per_s: measured rate at which rollout hands tokens to training, cluster
       wide: the tokens of every execution ended so far / the seconds since the first
       execution was admitted (0 until one has ended). With ``train_throughput`` it sizes the
@@ -115,12 +117,22 @@ class PolicyParams:
     step - weight_version at dispatch (colocate always uses 0); slack_cells: spare rollout
     cells the elastic policies keep beyond the work they size rollout by; leave_round_trips:
     elastic: a cell leaves rollout only for trainable work that keeps every train cell busy
-    for this many switch round trips (rollout -> train -> rollout)."""
+    for this many switch round trips (rollout -> train -> rollout).
+
+    Carry-over (steps that do not wait for their stragglers; the controller and the simulator
+    alike): close_share: a step may close (train and apply its update) once this share of its
+    task groups has finished; 1.0 = every group (off). Groups still running carry over into
+    the next step with the tokens they made so far; max_carry: how many steps a group may be
+    carried (a step waits for carried groups that reached it), so a token is trained at most
+    ``max_staleness + max_carry`` versions after the weights that sampled it. The last step
+    of a run waits for everything."""
 
     async_rollout_cells: int = 0
     max_staleness: int = 1
     slack_cells: int = 1
     leave_round_trips: float = bounds.knob(3.0, bounds.Bound(0))
+    close_share: float = bounds.knob(1.0, bounds.Bound(0, 1, lo_open=True))
+    max_carry: int = bounds.knob(1, bounds.Bound(1))
 
     def __post_init__(self):
         bounds.check(self, "scheduler")
@@ -140,12 +152,13 @@ def _may_dispatch(snap: LoadSnapshot, max_staleness: int) -> bool:
 
 
 def colocate(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
-    """All cells roll out a step's batch, then all cells train on it (staleness 0)."""
+    """All cells roll out a step's batch, then all cells train on it (staleness 0). With
+    carry-over the step trains once it may close (``rolled_out``); its carried executions
+    wait through the training and roll out beside the next step's batch."""
     k = snap.num_cells
-    idle = snap.outstanding == 0 and snap.train_queue_tokens == 0
-    if idle and _may_dispatch(snap, 0):
+    if snap.train_queue_tokens == 0 and _may_dispatch(snap, 0):
         return Allocation((ROLLOUT,) * k, f"dispatch step {snap.step}: all cells roll out", True)
-    if snap.outstanding > 0:
+    if snap.outstanding > 0 and not (snap.rolled_out and snap.train_queue_tokens > 0):
         return Allocation((ROLLOUT,) * k, f"{snap.outstanding} executions outstanding")
     if snap.train_queue_tokens > 0:
         return Allocation((TRAIN,) * k, "rollout done: all cells train")

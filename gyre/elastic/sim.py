@@ -149,7 +149,7 @@ _TOKEN_TOL = 1e-6
 _TPS_WEIGHT = 0.3  # the controller's running-mean weight (gyre/rl/measure.py)
 _COUNTERS = ("evictions", "reprefill_tokens", "migrated_contexts", "migrated_tokens",
              "dropped_contexts", "moved_calls", "preemptions", "expired",
-             "pinned_evictions")  # fmt: skip
+             "pinned_evictions", "carried")  # fmt: skip
 
 
 # ---- events: (time, seq, event) on one heap, each type with one handler -------------------
@@ -256,7 +256,6 @@ class Simulator:
         self.queue, self.inflight = collections.defaultdict(float), collections.defaultdict(float)
         self.queue_ctx = collections.defaultdict(float)  # summed contexts of the queued tokens
         self.step_cells = collections.defaultdict(set)  # cells that trained each step
-        self.done_per_step = collections.Counter()
         self.version = self.next_step = self.dispatched = self.started = self.finished = 0
         self.opt_running, self.switches, self.work = False, 0, 0.0
         self.outcomes, self.end_counts, self.timeline, self.step_end = (
@@ -266,7 +265,19 @@ class Simulator:
             [],
         )
         self.opt_spans: list[tuple[float, float]] = []  # (start, end) of optimizer steps
-        self.group_left = collections.Counter((ex.step, ex.group) for b in steps for ex in b)
+        # Carry-over units (a task group under pack_by_group, else one execution): the step
+        # whose optimizer step trains each (its own until carried), its executions not yet
+        # ended, how often it was carried, and per step the units it owns not yet complete.
+        units = [(self._unit(ex), ex.step) for b in steps for ex in b]
+        self.unit_left = collections.Counter(u for u, _ in units)
+        self.unit_owner = {u: s for u, s in units}
+        self.unit_carried = collections.Counter()
+        self.open_units = collections.defaultdict(set)
+        for u, s in units:
+            self.open_units[s].add(u)
+        self.n_units = {s: len(self.open_units[s]) for s in range(len(steps))}
+        self.units_done = collections.Counter()  # by dispatch step: units complete
+        self.trained_by: dict[str, int] = {}  # execution id -> the step that trained it
         self.group_tokens = collections.defaultdict(float)
         self.group_ctx = collections.defaultdict(float)
         self.micro_sizes = collections.defaultdict(collections.deque)  # pack_by_group only
@@ -275,6 +286,11 @@ class Simulator:
         self.decode_time = self.batch_time = 0.0
         self.train_tps: float | None = None  # measured tokens/s per train cell
         self.ended_tokens, self.first_start = 0.0, None  # the measured rollout rate
+
+    def _unit(self, ex: Execution) -> tuple:
+        """What carries over as one: the task group when groups are packed together (the
+        controller's unit), else the execution."""
+        return (ex.step, ex.group if self.cost.pack_by_group else ex.execution_id)
 
     def _need(self, call) -> float:
         """KV tokens a call reserves while live (the engine's footprint under engine_pool)."""
@@ -403,7 +419,7 @@ class Simulator:
         v = self.version
         if v >= len(self.steps):
             return 0.0, False
-        rolled_out = self.done_per_step[v] == len(self.steps[v])
+        rolled_out = self._closable(v)
         if self.cost.pack_by_group:
             return float(sum(self.micro_sizes[v])), rolled_out
         q, size = self.queue[v], self.cost.microbatch_tokens
@@ -711,21 +727,25 @@ class Simulator:
         self.open_es.discard(es)
         self.finished += 1
         step = es.ex.step
-        self.done_per_step[step] += 1
+        unit = self._unit(es.ex)
+        owner = self.unit_owner[unit]  # the step that trains it (later than ``step`` if carried)
+        self.trained_by[es.ex.execution_id] = owner
+        self.unit_left[unit] -= 1
         if self.cost.pack_by_group:
-            group = (step, es.ex.group)
-            self.group_tokens[group] += es.tokens
-            self.group_ctx[group] += es.tok_ctx
-            self.group_left[group] -= 1
-            if self.group_left[group] == 0:
-                tokens = self.group_tokens.pop(group)
+            self.group_tokens[unit] += es.tokens
+            self.group_ctx[unit] += es.tok_ctx
+            if self.unit_left[unit] == 0:
+                tokens = self.group_tokens.pop(unit)
                 n = max(1, math.ceil(tokens / self.cost.microbatch_tokens))
-                self.micro_sizes[step].extend([tokens / n] * n)
-                self.queue[step] += tokens
-                self.queue_ctx[step] += self.group_ctx.pop(group)
+                self.micro_sizes[owner].extend([tokens / n] * n)
+                self.queue[owner] += tokens
+                self.queue_ctx[owner] += self.group_ctx.pop(unit)
         else:
-            self.queue[step] += es.tokens
-            self.queue_ctx[step] += es.tok_ctx
+            self.queue[owner] += es.tokens
+            self.queue_ctx[owner] += es.tok_ctx
+        if self.unit_left[unit] == 0:
+            self.open_units[owner].discard(unit)
+            self.units_done[step] += 1
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
         self.ended_tokens += es.tokens
         self.end_counts[es.ex.execution_id] += 1
@@ -733,12 +753,32 @@ class Simulator:
         self._try_train()
         self._decide()
 
+    # ---- carry-over ----------------------------------------------------------------------
+    def _closable(self, v: int) -> bool:
+        """Step ``v`` may close: ``close_share`` of its own units have completed and every
+        open unit it owns may still be carried (the last step waits for everything)."""
+        if v == len(self.steps) - 1:
+            return not self.open_units[v]
+        need = math.ceil(self.params.close_share * self.n_units[v] - 1e-9)
+        if self.units_done[v] < need:
+            return False
+        return all(self.unit_carried[u] < self.params.max_carry for u in self.open_units[v])
+
+    def _carry(self, v: int) -> None:
+        """Step ``v`` closes: its open units carry over into step v + 1 (their tokens so far
+        and those still to come are trained there)."""
+        for u in self.open_units.pop(v, ()):
+            self.unit_owner[u] = v + 1
+            self.unit_carried[u] += 1
+            self.open_units[v + 1].add(u)
+            self.counters["carried"] += 1
+
     # ---- training ------------------------------------------------------------------------
     def _try_train(self) -> None:
         s = self.version
         if self.opt_running or s >= len(self.steps):
             return
-        rollout_done = self.done_per_step[s] == len(self.steps[s])
+        rollout_done = self._closable(s)
         size = self.cost.microbatch_tokens
         grouped = self.cost.pack_by_group
         for c in self.cells:
@@ -762,6 +802,7 @@ class Simulator:
                 self._record(c)
         idle = not self.micro_sizes[s] and self.inflight[s] <= 1e-6
         if rollout_done and idle and (grouped or self.queue[s] <= 1e-6):
+            self._carry(s)
             self.queue[s] = self.inflight[s] = self.queue_ctx[s] = 0.0
             self.opt_running = True
             reduce = self.cost.allreduce_s(len(self.step_cells.pop(s, ())))

@@ -95,7 +95,7 @@ class Controller:
             live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
             train_queue_tokens=queued,
             trainable_tokens=queued,
-            rolled_out=bool(oldest) and oldest.groups_left == 0,
+            rolled_out=bool(oldest) and oldest.closable,
             rollout_tokens_per_s=self.rollouts.tokens_per_s(),
             rollout_capacity=pick(self.proxy.capacity_contexts()),
             train_throughput=pick(self.figures.train_throughput()),
@@ -176,13 +176,11 @@ class Controller:
         self._forget_lost()
         self.handovers["lost_retried"] += self.proxy.take_lost_retried()
         self.proxy.set_weights(self.trainer.params, self.trainer.version)
+        self.rollouts.carry(work.close(), self.steps.get(work.step + 1))
         del self.steps[work.step]
-        return StepRecord(
-            work.step, self.trainer.version, work.version_at_dispatch,
-            time.time() - work.dispatched_at, work.results, work.reports, outcome,
-            self.timeline.fractions(), dict(self.handovers), self.proxy.prefix_hit_rate(),
-            self.pools.since_last(self.proxy.kv_stats()) | self.figures.as_metrics(),
-        )  # fmt: skip
+        return work.record(self.trainer.version, outcome, self.timeline.fractions(),
+                           dict(self.handovers), self.proxy.prefix_hit_rate(),
+                           self.pools.since_last(self.proxy.kv_stats()) | self.figures.as_metrics())  # fmt: skip
 
     # ------------------------------------------------------------------ evaluation
 
@@ -215,9 +213,8 @@ class Controller:
                 if alloc.dispatch and self.next_step < steps:
                     self.dispatch(self.next_step)
                     continue
-                ready = [w for w in self.steps.values() if w.ready]
-                if ready:
-                    record = self.finish_step(min(ready, key=lambda w: w.step))
+                if self.oldest() is not None and self.oldest().ready:  # steps update in order
+                    record = self.finish_step(self.oldest())
                     self.progress()
                     if on_step is not None:
                         await on_step(record)

@@ -51,7 +51,7 @@ class StepRecorder:
     async def __call__(self, record: StepRecord) -> None:
         specs = self.rt.specs
         metrics = step_metrics(record, specs.trajectory.reward)
-        self.ledger.record_step(record.step, record.execution_ids)
+        self.ledger.record_step(record.step, record.execution_ids, record.groups)
         # what the agent did, readable: the best, the worst and two more of the step
         write_step_transcripts(self.rt.path("executions.txt"), record.version, record.results,
                                self.rt.env.render_tokens)  # fmt: skip
@@ -178,6 +178,8 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
                 save_summary()
             ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch,
                               should_stop=stop_requested, on_progress=watchdog.beat)  # fmt: skip
+            if rt.resumed:  # carry-over: groups running at the kill run again
+                ctrl.rollouts.restart_untrained(rt.trainer.version, ledger.trained_groups())
             where["now"] = lambda: where_now(ctrl)
             watchdog.beat()  # what came before RL has finished: the controller's time starts now
             recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)

@@ -26,9 +26,16 @@ class RunLedger:
         self.metrics_path = os.path.join(workdir, "metrics.jsonl")
         self.trace_path = os.path.join(workdir, "trace.jsonl")
 
-    def record_step(self, step: int, execution_ids: list[str]) -> None:
+    def record_step(self, step: int, execution_ids: list[str], groups=()) -> None:
+        """One trained step: its execution ids and its task groups as (dispatch step, index)
+        (with carry-over a step trains groups dispatched with earlier steps)."""
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "executions": execution_ids}) + "\n")
+            f.write(json.dumps({"step": step, "executions": execution_ids,
+                                "groups": [list(g) for g in groups]}) + "\n")  # fmt: skip
+
+    def trained_groups(self) -> set[tuple[int, int]]:
+        """(dispatch step, index) of every group a recorded step trained."""
+        return {tuple(g) for row in self.read() for g in row.get("groups", ())}
 
     def read(self) -> list[dict]:
         if not os.path.exists(self.path):

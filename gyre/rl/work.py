@@ -5,12 +5,19 @@ through the packing pipeline at once (:meth:`StepWork.add_group`), so training s
 other groups still roll out. Every group is one *part* of the step with its own loss
 normaliser; the trainer rescales the parts' gradients to the whole step's normaliser
 (:meth:`gyre.train.step.Trainer.apply_parts`).
+
+Carry-over (``PolicyParams.close_share`` < 1): a step may close once that share of its own
+groups has finished; its groups still running are handed to the next step
+(:meth:`StepWork.close`) and packed there when they finish, so every group is trained by
+exactly one step, the one that owns it when it finishes (the ledger names each step's
+groups: a resumed run re-runs the groups it finds untrained).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
@@ -27,23 +34,105 @@ def step_tasks(env, seed: int, step: int, num_tasks: int) -> list[Task]:
     return env.make_tasks(task_seed, num_tasks)
 
 
+@dataclasses.dataclass(eq=False)
+class Group:
+    """One task's samples (an advantage group), dispatched with step ``step`` as its
+    ``index``-th task; ``work``: the step that will train it (None while carried to a step
+    not yet dispatched); ``carried``: steps it was carried over; ``results``: its executions
+    once finished, kept here while it has no owner."""
+
+    step: int
+    index: int
+    task: Task
+    work: StepWork | None = None
+    carried: int = 0
+    results: list | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.step, self.index)
+
+
 @dataclasses.dataclass
 class StepWork:
-    """One optimizer step's executions and training, from dispatch to update."""
+    """One optimizer step's executions and training, from dispatch to update.
+
+    need: own groups that must finish before the step may close (all of them, or
+    ceil(close_share x groups) with carry-over); max_carry: steps a group may be carried (a
+    group that reached it must finish here)."""
 
     step: int
     version_at_dispatch: int
-    groups_left: int
+    num_groups: int
     dispatched_at: float
+    need: int = -1  # -1: every own group
+    max_carry: int = 1
     results: list = dataclasses.field(default_factory=list)  # ExecutionResults
     reports: list = dataclasses.field(default_factory=list)  # BatchReports, one per group
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     grads: list = dataclasses.field(default_factory=list)  # (part, GradResult)
     part_counts: list = dataclasses.field(default_factory=list)  # normaliser per part
+    open_groups: set = dataclasses.field(default_factory=set)  # owned, still running
+    own_done: int = 0  # own groups finished
+    groups: list = dataclasses.field(default_factory=list)  # keys of the groups trained here
+    carried_in: int = 0  # groups carried into this step
+
+    def __post_init__(self):
+        if self.need < 0:
+            self.need = self.num_groups
+
+    @property
+    def closable(self) -> bool:
+        """Every group the step waits for has finished: ``need`` of its own, and every open
+        group may still be carried (none when nothing is carried over)."""
+        if self.own_done < self.need:
+            return False
+        return all(g.carried < self.max_carry for g in self.open_groups)
 
     @property
     def ready(self) -> bool:
-        return self.groups_left == 0 and not self.queue
+        return self.closable and not self.queue
+
+    @property
+    def groups_left(self) -> int:
+        """Groups owned and still running."""
+        return len(self.open_groups)
+
+    def own(self, group: Group, spec: TrajectorySpec) -> float:
+        """Takes ``group`` over (dispatched here, or carried in) -> trainable tokens queued
+        (a carried group that already finished is packed at once)."""
+        group.work = self
+        if group.step != self.step:
+            self.carried_in += 1
+        self.open_groups.add(group)
+        if group.results is not None:
+            return self.finish(group, group.results, spec)
+        return 0.0
+
+    def finish(self, group: Group, results: list[ExecutionResult], spec) -> float:
+        """A group this step owns has finished: pack it here -> trainable tokens queued."""
+        self.open_groups.discard(group)
+        self.groups.append(group.key)
+        if group.step == self.step:
+            self.own_done += 1
+        return self.add_group(results, spec)
+
+    def record(self, version: int, outcome, role_fractions, handovers, prefix_hit_rate,
+               kv) -> StepRecord:  # fmt: skip
+        """The step's record once its update (``outcome``, weights ``version``) has landed,
+        with the run-level counters sampled then."""
+        return StepRecord(self.step, version, self.version_at_dispatch,
+                          time.time() - self.dispatched_at, self.results, self.reports, outcome,
+                          role_fractions, handovers, prefix_hit_rate, kv, self.groups,
+                          self.carried_in)  # fmt: skip
+
+    def close(self) -> list[Group]:
+        """The step closes: its groups still running leave it, carried once more."""
+        left = sorted(self.open_groups, key=lambda g: g.key)
+        for g in left:
+            g.work, g.carried = None, g.carried + 1
+        self.open_groups.clear()
+        return left
 
     @property
     def queued_tokens(self) -> float:
@@ -65,7 +154,6 @@ class StepWork:
                 for mb in split_microbatches(batch, spec.rows_per_microbatch):
                     self.queue.append((part, mb))
                     queued += mb.trainable_tokens
-        self.groups_left -= 1
         return queued
 
 
@@ -85,6 +173,8 @@ class StepRecord:
     handovers: dict
     prefix_hit_rate: float
     kv: dict = dataclasses.field(default_factory=dict)  # the step's KV-pool figures (kv_*)
+    groups: list = dataclasses.field(default_factory=list)  # (dispatch step, index) trained
+    carried_in: int = 0  # groups carried into the step from earlier ones
 
     @property
     def execution_ids(self) -> list[str]:
@@ -131,6 +221,7 @@ def step_metrics(record: StepRecord, reward: str = "partial") -> dict:
         "step": record.step,
         "version": record.version,
         "staleness": record.version - 1 - record.version_at_dispatch,
+        "carried_in": record.carried_in,
     }
     m.update({f"end_{k}": v for k, v in reasons.items()})
     # tool or model calls that crashed or hung and were retried (infrastructure, not policy)

@@ -1,0 +1,141 @@
+"""Carry-over: a step closes once ``close_share`` of its groups has finished, and the groups
+still running are trained by a later step, each exactly once (the work bookkeeping, the
+simulator, and a resume's restart of the groups a kill left untrained)."""
+
+import collections
+import dataclasses
+import types
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.elastic.policy import PolicyParams
+from gyre.elastic.sim import Simulator, simulate
+from gyre.envs.base import Task
+from gyre.rl.rollouts import Rollouts
+from gyre.rl.work import Group, StepWork
+from tests.test_sim import COST, MEM, small_workload
+
+
+def _group(step, index):
+    return Group(step, index, Task(f"t{step}-{index}", None))
+
+
+def test_a_step_closes_at_its_share_and_hands_its_running_groups_on():
+    work = StepWork(0, 0, num_groups=4, dispatched_at=0.0, need=2, max_carry=1)
+    groups = [_group(0, i) for i in range(4)]
+    for g in groups:
+        work.own(g, spec=None)
+    assert not work.closable and work.groups_left == 4
+    work.open_groups.discard(groups[0])  # finished (packing is tested elsewhere)
+    work.own_done = 1
+    assert not work.closable
+    work.open_groups.discard(groups[1])
+    work.own_done = 2
+    assert work.closable  # 2 of 4 finished; the other two may be carried
+    left = work.close()
+    assert [g.key for g in left] == [(0, 2), (0, 3)]
+    assert all(g.work is None and g.carried == 1 for g in left)
+    nxt = StepWork(1, 0, num_groups=4, dispatched_at=0.0, need=2, max_carry=1)
+    for g in left:
+        nxt.own(g, spec=None)
+    assert nxt.carried_in == 2 and all(g.work is nxt for g in left)
+    nxt.own_done = 4  # every own group finished, but the carried ones reached max_carry
+    assert not nxt.closable
+
+
+def test_without_carry_over_a_step_waits_for_every_group():
+    work = StepWork(0, 0, num_groups=3, dispatched_at=0.0)
+    assert work.need == 3
+    work.own_done = 2
+    assert not work.closable
+
+
+@pytest.mark.parametrize("policy", ["async", "elastic", "colocate"])
+@pytest.mark.parametrize("memory", [COST, MEM])
+def test_simulated_carry_over_trains_every_execution_exactly_once(policy, memory):
+    steps = small_workload(seed=3, steps=4)
+    params = PolicyParams(async_rollout_cells=2, close_share=0.5, max_carry=2)
+    sim = Simulator(steps, 3, policy, memory, params)
+    res = sim.run()
+    ids = {ex.execution_id: ex for b in steps for ex in b}
+    assert set(res.outcomes) == set(ids) and set(res.end_counts.values()) == {1}
+    assert set(sim.trained_by) == set(ids)
+    for eid, step in sim.trained_by.items():  # trained by its own step or one of the next two
+        assert ids[eid].step <= step <= ids[eid].step + 2
+    assert res.counters["carried"] > 0
+    assert sum(sim.trained_by[e] != ids[e].step for e in ids) > 0
+    assert len(res.step_end_s) == len(steps)
+    last = len(steps) - 1  # the last step waits for everything: nothing carried beyond it
+    assert max(sim.trained_by.values()) == last
+    full = sum(o[3] for o in res.outcomes.values())
+    assert res.counters["trained_tokens"] == pytest.approx(full)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 1000), share=st.sampled_from([0.3, 0.5, 0.9]),
+       max_carry=st.integers(1, 3), policy=st.sampled_from(["async", "elastic", "colocate"]))  # fmt: skip
+def test_carry_over_never_trains_a_group_beyond_max_carry(seed, share, max_carry, policy):
+    steps = small_workload(seed=seed, steps=4)
+    params = PolicyParams(async_rollout_cells=1, close_share=share, max_carry=max_carry)
+    sim = Simulator(steps, 2, policy, COST, params)
+    sim.run()
+    for batch in steps:
+        for ex in batch:
+            assert ex.step <= sim.trained_by[ex.execution_id] <= ex.step + max_carry
+
+
+def test_close_share_one_is_the_model_without_carry_over():
+    steps = small_workload(seed=1, steps=3)
+    a = simulate(steps, 3, "async", MEM, PolicyParams(async_rollout_cells=2))
+    b = simulate(steps, 3, "async", MEM, PolicyParams(async_rollout_cells=2, close_share=1.0,
+                                                      max_carry=3))  # fmt: skip
+    assert a == b and a.counters["carried"] == 0
+
+
+def test_colocate_steps_no_longer_wait_for_a_straggler():
+    """One execution per step runs ~10x longer than the rest: with carry-over colocate's
+    steps close without it, and it is trained by the next step."""
+    steps = small_workload(seed=2, steps=3)
+    slow = steps[0][0]
+    calls = tuple(
+        dataclasses.replace(c, tool_latency_s=c.tool_latency_s + 600.0) for c in slow.calls
+    )
+    steps[0][0] = dataclasses.replace(slow, calls=calls)
+    waits = simulate(steps, 2, "colocate", COST, PolicyParams())
+    carries = Simulator(steps, 2, "colocate", COST, PolicyParams(close_share=0.8))
+    res = carries.run()
+    assert waits.step_end_s[0] > 600.0 * len(calls) * 0.9  # the straggler holds step 0
+    assert res.step_end_s[0] < waits.step_end_s[0] / 2
+    assert carries.trained_by[slow.execution_id] == 1
+    assert res.makespan_s < waits.makespan_s
+
+
+def _rollouts(specs, env):
+    """A Rollouts with its bookkeeping only (no proxy, no trace file)."""
+    ro = Rollouts.__new__(Rollouts)
+    ro.specs, ro.env, ro.carried, ro.restart = specs, env, [], []
+    ro.counters = collections.Counter()
+    return ro
+
+
+def test_a_resume_restarts_exactly_the_groups_no_trained_step_holds():
+    """Groups of the last max_carry steps absent from the ledger were running at the kill:
+    they start again, carried to the resumed step; none of an older step, none trained."""
+    env = types.SimpleNamespace(
+        make_tasks=lambda seed, n: [Task(f"{seed}-{i}", None) for i in range(n)]
+    )
+    specs = types.SimpleNamespace(
+        run=types.SimpleNamespace(seed=0, tasks_per_step=3, samples_per_task=2, steps=5),
+        scheduler=PolicyParams(close_share=0.5, max_carry=2),
+    )
+    ro = _rollouts(specs, env)
+    trained = {(0, 0), (0, 1), (0, 2), (1, 0), (1, 2), (2, 1)}
+    assert ro.restart_untrained(3, trained) == 3  # step 0 is beyond max_carry
+    got = sorted((g.key, g.carried) for g in ro.restart)
+    assert got == [((1, 1), 2), ((2, 0), 1), ((2, 2), 1)]
+    same_tasks = [g.task.task_id for g in ro.restart]
+    assert len(set(same_tasks)) == 3  # the tasks their steps drew, keyed by (seed, step)
+    off = types.SimpleNamespace(run=specs.run, scheduler=PolicyParams())
+    assert _rollouts(off, env).restart_untrained(3, set()) == 0  # nothing is ever carried
