@@ -156,7 +156,7 @@ def colocate(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloc
     carry-over the step trains once it may close (``rolled_out``); its carried executions
     wait through the training and roll out beside the next step's batch."""
     k = snap.num_cells
-    if snap.train_queue_tokens == 0 and _may_dispatch(snap, 0):
+    if _may_dispatch(snap, 0):  # the last update has landed (queued tokens are carried ones)
         return Allocation((ROLLOUT,) * k, f"dispatch step {snap.step}: all cells roll out", True)
     if snap.outstanding > 0 and not (snap.rolled_out and snap.train_queue_tokens > 0):
         return Allocation((ROLLOUT,) * k, f"{snap.outstanding} executions outstanding")
