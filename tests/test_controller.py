@@ -184,7 +184,8 @@ def test_carry_over_trains_every_group_once_across_a_kill(shared, tmp_path):
     groups = [tuple(g) for row in ledger for g in row["groups"]]
     assert sorted(groups) == [(s, i) for s in range(3) for i in range(4)]  # each once
     ids = [i for row in ledger for i in row["executions"]]
-    assert len(ids) == len(set(ids)) == 3 * 4 * 4
+    samples = json.load(open(tmp_path / "config.json"))["run"]["samples_per_task"]
+    assert len(ids) == len(set(ids)) == 3 * 4 * samples
     for row in ledger:  # a group is trained by its own step or the next one
         assert all(row["step"] - 1 <= s <= row["step"] for s, _ in row["groups"])
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
