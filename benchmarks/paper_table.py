@@ -182,6 +182,10 @@ def run_stats(r, full_tokens: float, replication: int, step_of: dict) -> dict:
         "reprefill_per_trained": r.counters["reprefill_tokens"] / tokens,
         "migrated_contexts": r.counters["migrated_contexts"] * replication,
         "mean_decode_batch": r.counters["mean_decode_batch"] * replication,
+        # step length (between step ends; the first from the start), and groups carried over
+        "mean_step_h": float(np.mean(np.diff([0.0, *r.step_end_s]))) / 3600,
+        "max_step_h": float(np.max(np.diff([0.0, *r.step_end_s]))) / 3600,
+        "carried_per_step": r.counters.get("carried", 0.0) / max(1, len(r.step_end_s)),
     }
 
 
@@ -319,6 +323,10 @@ def print_scenario(sc, res: dict, mem, real_cost, staleness: int) -> None:
               f"{100 * v['timeout_share']:7.0f}% {v['completed_per_h']:7.1f} {v['utilisation']:5.2f} "
               f"{v['evictions_per_exec']:10.1f} {v['reprefill_per_trained']:9.2f}x "
               f"{v['mean_decode_batch']:6.0f} {v['switches']:8.0f}{extra}")  # fmt: skip
+    print("   step length, mean / longest (h): " + ", ".join(
+        f"{label.split(' (')[0]} {p[k]['mean_step_h']:.2f} / {p[k]['max_step_h']:.2f}"
+        for k, label in labels.items()) + f"; groups carried per step (elastic) "
+        f"{p['elastic']['carried_per_step']:.1f}")  # fmt: skip
     print("   async splits (R rollout cells: equal-work h): "
           + ", ".join(f"{r}: {h:.1f}" for r, h in res["async_splits"].items()))  # fmt: skip
     print(f"   lower bound (any policy, own work): {res['lower_bound_h']:.1f} h")
@@ -344,6 +352,21 @@ def print_scenario(sc, res: dict, mem, real_cost, staleness: int) -> None:
         print(f"   - {a}")
 
 
+def add_carry_flags(ap) -> None:
+    """Carry-over for every policy alike (PolicyParams.close_share / max_carry)."""
+    ap.add_argument("--close-share", type=float, default=1.0,
+                    help="a step closes once this share of its groups has finished; the rest "
+                    "carry over to the next step (1.0 = off, every policy waits for all)")  # fmt: skip
+    ap.add_argument("--max-carry", type=int, default=1, help="steps a group may be carried")
+
+
+def with_carry(sc, args):
+    """The scenario with the carry-over flags in its policy parameters (every policy's)."""
+    params = dataclasses.replace(sc.params, close_share=args.close_share,
+                                 max_carry=args.max_carry)  # fmt: skip
+    return dataclasses.replace(sc, params=params)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=24,
@@ -364,6 +387,7 @@ def main():
     ap.add_argument("--load", type=int, default=1,
                     help="multiply every scenario's executions per step (its replication; "
                     "the cluster stays the same)")  # fmt: skip
+    add_carry_flags(ap)
     args = ap.parse_args()
     splits = [int(x) for x in args.splits.split(",") if x] or None
     rows, t0 = [], time.time()
@@ -374,7 +398,7 @@ def main():
     for sc in load_scenarios(args.steps):
         if args.scenario.lower() not in sc.name.lower():
             continue
-        sc = dataclasses.replace(sc, replication=sc.replication * args.load)
+        sc = with_carry(dataclasses.replace(sc, replication=sc.replication * args.load), args)
         if args.no_memory:
             cost, mem, real = plain_cost(sc), None, None
         else:
@@ -398,6 +422,7 @@ def main():
         print_scenario(sc, res, mem, real, sc.params.max_staleness)
     print(f"\n({time.time() - t0:.1f} s)")
     print(json.dumps({"scenarios": rows, "handover": args.handover, "admission": args.admission,
+                      "close_share": args.close_share, "max_carry": args.max_carry,
                       "memory": not args.no_memory, "seconds": round(time.time() - t0, 1)}))  # fmt: skip
 
 

@@ -201,12 +201,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a 2 x 2 grid, 2 steps, 1 seed")
     ap.add_argument("--admission", choices=("resident", "fifo"), default="resident",
                     help="the memory model's admission (paper_table.py --admission)")  # fmt: skip
+    paper_table.add_carry_flags(ap)
     args = ap.parse_args()
     kv, shares, steps_n, seeds = KV_RATIOS, TRAIN_SHARES, args.steps, args.seeds
     if args.quick:
         kv, shares, steps_n, seeds = QUICK["kv"], QUICK["shares"], QUICK["steps"], QUICK["seeds"]
     t0 = time.time()
     sc, cost = base_setup(steps_n, args.admission)
+    sc = paper_table.with_carry(sc, args)
     seeds_steps = []
     for i in range(seeds):
         steps = generate(dataclasses.replace(sc.workload, seed=sc.workload.seed + 1000 * i))
@@ -239,7 +241,8 @@ def main():
     marks = scenario_marks(2 if args.quick else 3, args.admission)
     res = {"kv_ratios": list(kv), "train_shares": list(shares), "grid": rows, "scenarios": marks,
            "cells": sc.num_cells, "executions_per_step": sc.real_executions_per_step,
-           "steps": steps_n, "seeds": seeds, "png": args.out, "admission": args.admission}  # fmt: skip
+           "steps": steps_n, "seeds": seeds, "png": args.out, "admission": args.admission,
+           "close_share": args.close_share, "max_carry": args.max_carry}  # fmt: skip
     grid = {(g["kv_ratio"], g["train_share_target"]): g for g in rows}
     for key, title in (("vs_async_best", "best async / elastic"),
                        ("vs_async_best_window", "best async / elastic, the previous steady "

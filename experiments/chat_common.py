@@ -31,6 +31,10 @@ def host8(c, context: int, new_tokens: int) -> None:
     c.agent.context_window = context
     c.agent.concurrency = 256
     c.trajectory.row_len = context
+    # Each decoder block recomputes its activations in the backward pass: without it the
+    # gradient program's temporaries at 0.6B shapes and rows of 8,192 tokens are 134 GB per
+    # device (`python -m gyre.plan --config=experiments/qwen3_code.py --device_memory=80GB`).
+    c.train.remat = "full"
     c.train.lr = 1e-6
     c.train.grad_clip = 1.0
     c.run.steps = 200

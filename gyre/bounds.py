@@ -22,7 +22,7 @@ class Bound:
     hi_open: bool = False
 
     def __contains__(self, v) -> bool:
-        if not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not representable(v):
             return False
         if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
             return False
@@ -36,6 +36,31 @@ class Bound:
         )
 
 
+# Every number a key holds reaches a device as int32 or float32 (or is mixed with one): an
+# integer outside int32, or a float that float32 rounds to infinity or to zero, is refused.
+INT32 = (-(2**31), 2**31 - 1)
+F32_MAX, F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38  # largest, smallest normal
+
+
+def representable(v) -> bool:
+    """Whether ``v`` survives int32 (an int) or float32 (a float) unchanged in kind."""
+    if isinstance(v, int):
+        return INT32[0] <= v <= INT32[1]
+    return math.isfinite(v) and (v == 0 or F32_TINY <= abs(v) <= F32_MAX)
+
+
+def describe(bound: Bound, v) -> str:
+    """'must be <bound>, got v' plus, for a value the bound's interval holds but 32 bits do
+    not, why it is refused."""
+    why = ""
+    if isinstance(v, int | float) and not isinstance(v, bool) and not representable(v):
+        why = (" (an integer key holds int32: [-2^31, 2^31 - 1])" if isinstance(v, int) else
+               f" (a float key must be 0 or of magnitude in [{F32_TINY:.3g}, {F32_MAX:.3g}]"
+               ", float32's finite normal range)")  # fmt: skip
+    shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:12]}... ({len(repr(v))} digits)"
+    return f"must be {bound}, got {shown}{why}"
+
+
 def _ge(x):
     return Bound(x)
 
@@ -45,6 +70,9 @@ def _gt(x):
 
 
 UNIT, UNIT_OPEN_HI, UNIT_OPEN_LO = Bound(0, 1), Bound(0, 1, hi_open=True), Bound(0, 1, True)
+# Rotary base: below 1 the frequencies 1 / theta^(2i/d) grow with i (to infinity as theta
+# nears 0) and every position's rotation is noise; real models use 1e4 to 1e7.
+ROPE_THETA = Bound(1.0)
 
 # Every numeric key's interval (a test pins that none is missing). Constraints between keys
 # (heads vs model_parallel, env vocabulary vs model, row length) are checked in ``validate``
@@ -57,13 +85,14 @@ BOUNDS: dict[str, Bound] = {
     "cluster.transfer_timeout_s": _gt(0),
     "model.vocab_size": _ge(2), "model.d_model": _ge(1), "model.num_layers": _ge(1),
     "model.num_heads": _ge(1), "model.num_kv_heads": _ge(1), "model.head_dim": _ge(2),
-    "model.d_ff": _ge(1), "model.rope_theta": _gt(0), "model.rms_eps": _gt(0),
+    "model.d_ff": _ge(1), "model.rope_theta": ROPE_THETA, "model.rms_eps": _gt(0),
     "model.attn_block": _ge(1),
     "trajectory.max_paths": _ge(0), "trajectory.row_len": _ge(128),
     "train.lr": _gt(0), "train.warmup_steps": _ge(0), "train.weight_decay": _ge(0),
     "train.b1": UNIT_OPEN_HI, "train.b2": UNIT_OPEN_HI, "train.grad_clip": _ge(0),
     "train.clip_low": UNIT_OPEN_HI, "train.clip_high": _ge(0), "train.kl_coef": _ge(0),
     "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(1), "train.max_bad_steps": _ge(0),
+    "train.logits_chunk": _ge(0),
     "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),
     "rollout.decode_steps": _ge(-1), "rollout.cpu_vector_width": Bound(-1, 512),
@@ -106,5 +135,5 @@ def check(spec, section: str, **keys: str) -> None:
         key = keys.get(f.name, f"{section}.{f.name}")
         bound = f.metadata.get("bound", BOUNDS.get(key))
         value = getattr(spec, f.name)
-        if bound is not None and not (isinstance(value, int | float) and value in bound):
-            raise ValueError(f"{key} must be {bound}, got {value!r}")
+        if bound is not None and value not in bound:
+            raise ValueError(f"{key} {describe(bound, value)}")

@@ -18,11 +18,12 @@ from gyre import bounds
 from gyre.agent.context import AgentSettings
 from gyre.cluster.spec import BACKENDS, ClusterSpec
 from gyre.elastic.policy import POLICIES, PolicyParams
+from gyre.envs.published import FORMATS as PROBLEM_FORMATS
 from gyre.envs.registry import ENVIRONMENTS, EnvSpec
 from gyre.errors import ConfigError
 from gyre.mesh import MeshSpec
 from gyre.model.attention import IMPLS
-from gyre.model.decoder import DTYPES
+from gyre.model.decoder import DTYPES, REMAT_POLICIES
 from gyre.rl.specs import EvalSpec, RunSpec, SftRecipe, SftSpec
 from gyre.rollout.programs import RolloutSpec
 from gyre.rollout.types import ADMISSIONS, CPU_VECTOR_WIDTHS, HANDOVERS
@@ -120,6 +121,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.tis_cap = loss.tis_cap  # truncated importance weight for stale tokens; 0 = off
     c.train.rows_per_microbatch = trainer.rows_per_microbatch
     c.train.max_bad_steps = trainer.max_bad_steps
+    # What each decoder block keeps for the backward pass (gyre/model/decoder.py
+    # REMAT_POLICIES: none, full, dots_saveable, ...); `python -m gyre.plan` shows the memory
+    c.train.remat = trainer.remat
+    # log-probabilities over vocabulary chunks of this many ids (no [rows, T, vocab] float32
+    # logits); 0 = in one piece
+    c.train.logits_chunk = trainer.logits_chunk
     c.train.checkpoint_every = run.checkpoint_every
     c.train.keep_checkpoints = run.keep_checkpoints
 
@@ -150,6 +157,9 @@ def default_config() -> ml_collections.ConfigDict:
     # 0 = derived: slots * max_len on CPU; on an accelerator, device memory minus the cell's
     # weights minus a reserve (capped at slots * max_len, the memory actually allocated).
     c.rollout.kv_tokens = rollout.kv_tokens
+    # KV memory as pages of this many tokens (each slot reads its pages through a page table;
+    # prompts shared by reference, gyre/kvpool.py); 0 = one max_len row per slot
+    c.rollout.kv_page = rollout.kv_page
     # How the proxy admits calls (gyre/rollout/proxy.py): "none" = each call on its own (idle
     # contexts evicted LRU when the pool is short); "resident" = an execution's next call is
     # admitted to its cell only while its context can stay resident there, with a reservation
@@ -183,6 +193,11 @@ def default_config() -> ml_collections.ConfigDict:
     # checkpoint's tokenizer and chat template (model.hf_dir).
     c.env.tasks = env.tasks  # reasoning_gym: comma-separated task names ("" = basic_arithmetic)
     c.env.max_runs = env.max_runs  # code: test runs before the task counts as failed
+    # code: the problem set, a file ("" = the shipped gyre/envs/data/code_problems.json) read
+    # as problem_format: gyre (the project's JSON), humaneval or mbpp (JSONL), or auto
+    # (.json -> gyre, else by the first record's fields); gyre/envs/published.py
+    c.env.problem_file = env.problem_file
+    c.env.problem_format = env.problem_format
     # the environment sees (True) or strips the <think> text
     c.env.keep_thinking = env.keep_thinking
     c.env.enable_thinking = env.enable_thinking  # the chat template's enable_thinking switch
@@ -254,7 +269,7 @@ def _check_bounds(cfg) -> None:
         section, _, key = path.rpartition(".")
         value = (cfg[section] if section else cfg)[key]
         if value not in bound:
-            raise ConfigError(f"config key '{path}' must be {bound}, got {value!r}")
+            raise ConfigError(f"config key '{path}' {bounds.describe(bound, value)}")
 
 
 def _check_tree(cfg, ref, prefix: str) -> None:
@@ -295,9 +310,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "scheduler.policy", tuple(POLICIES))
     _check_choice(cfg, "scheduler.handover", HANDOVERS)
     _check_choice(cfg, "env.name", tuple(ENVIRONMENTS))
+    _check_choice(cfg, "env.problem_format", PROBLEM_FORMATS)
     _check_choice(cfg, "model.attention", IMPLS)
     _check_choice(cfg, "cluster.backend", BACKENDS)
     _check_choice(cfg, "model.dtype", DTYPES)
+    _check_choice(cfg, "train.remat", tuple(REMAT_POLICIES))
     _check_choice(cfg, "rollout.cpu_vector_width", CPU_VECTOR_WIDTHS)
     _check_choice(cfg, "rollout.admission", ADMISSIONS)
     # Checks that need one part's settings only live in that part's spec (ModelSpec,

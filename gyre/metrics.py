@@ -58,12 +58,25 @@ class MetricsWriter:
             self._tb.close()
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Replaces ``path`` with ``text`` through a temporary file and os.replace: a kill at any
+    point leaves either the old file or the new one, never a part of either."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def write_json(path: str, data) -> None:
     """Writes ``data`` as JSON atomically: a kill mid-write leaves the previous file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str))
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -81,6 +94,16 @@ def progress_line(step: int, total: int, metrics: dict, keys=("reward", "success
         if k in metrics and isinstance(metrics[k], (int, float)):
             parts.append(f"{k} {metrics[k]:.4g}")
     return " | ".join(parts)
+
+
+def all_infra_line(step: int, results) -> str | None:
+    """One line when every execution of a step ended as an infrastructure error (the step
+    trained on nothing; the first one's reason, last line, says why), else None."""
+    if not results or any(r.end_reason != "infra_error" for r in results):
+        return None
+    why = str(results[0].stats.get("detail", "")).strip().splitlines() or ["no detail"]
+    return (f"step {step}: all {len(results)} executions ended as infrastructure errors, "
+            f"nothing trained; the first: {why[-1].strip()[:300]}")  # fmt: skip
 
 
 def standard_error(values) -> float:
@@ -155,3 +178,113 @@ class Heartbeat:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
+
+
+class RunClock:
+    """Where a run of ``total`` steps stands in time, and an ETA that says only what was
+    measured: the seconds per step from the steps finished in this process (none before the
+    first has finished: the caller names that phase), the seconds of an evaluation from one
+    measured before (``eval_s``: the evaluation before RL, or one carried over by a resume).
+
+    The estimate is ``steps left x seconds per step + evaluations left x eval_s``, the step
+    in progress counting what is left of it (never less than nothing): within a step it
+    falls with the clock or stays, and it moves only when a step ends. The first interval
+    measured in a process holds the compiles, so once a second exists it is left out.
+    Evaluations are timed apart from the steps (``eval_started``/``eval_done``).
+
+    done: steps already done when this process started (a resume); eval_due(v): whether an
+    evaluation follows step v; eval_calls: the model calls of a measured evaluation: during
+    one, once a tenth of that many have returned (:meth:`tick` counts them), what is left of
+    it is read from their rate instead of ``eval_s``; clock: seconds (tests pass a fake one).
+    """
+
+    def __init__(self, total: int, done: int = 0, eval_due=lambda v: False,
+                 eval_s: float | None = None, clock=time.monotonic,
+                 eval_calls: int = 0):  # fmt: skip
+        self.total, self.done, self.first = total, done, done
+        self.eval_due, self.eval_s, self.clock = eval_due, eval_s, clock
+        self.intervals: list[float] = []  # seconds of the steps finished here, evaluations out
+        self.last_end: float | None = None  # when the latest step ended (or RL started)
+        self.eval_t0: float | None = None  # when the evaluation in progress started
+        self._eval_in_gap = 0.0  # evaluation seconds since the latest step ended
+        self._eval_pending = False  # a step ended whose evaluation has not started yet
+        self.eval_calls, self.calls = eval_calls, 0  # expected; returned in this evaluation
+
+    def start(self) -> None:
+        """RL starts now (after the warm start and the evaluation before RL)."""
+        self.last_end = self.clock()
+
+    def step_done(self, version: int) -> None:
+        now = self.clock()
+        if self.last_end is None:
+            self.last_end = now
+        else:
+            self.intervals.append(max(now - self.last_end - self._eval_in_gap, 0.0))
+        self.last_end, self._eval_in_gap, self.done = now, 0.0, version
+        self._eval_pending = bool(self.eval_due(version))
+
+    def eval_started(self) -> None:
+        self.eval_t0, self._eval_pending, self.calls = self.clock(), False, 0
+
+    def tick(self) -> None:
+        """A model call returned (counted while an evaluation runs)."""
+        if self.eval_t0 is not None:
+            self.calls += 1
+
+    def eval_done(self) -> float:
+        """Ends the evaluation in progress -> its seconds (the estimate of the next one)."""
+        seconds = self.clock() - self.eval_t0
+        self.eval_s, self.eval_t0 = seconds, None
+        self._eval_in_gap += seconds
+        return seconds
+
+    def _eval_left(self, elapsed: float) -> float:
+        if self.eval_calls and self.calls >= 0.1 * self.eval_calls:
+            share = min(self.calls / self.eval_calls, 0.99)
+            return elapsed * (1.0 - share) / share
+        return max(self.eval_s - elapsed, 0.0)
+
+    def step_seconds(self) -> float | None:
+        """Seconds per step measured in this process (None before one step has finished)."""
+        if not self.intervals:
+            return None
+        xs = self.intervals[1:] or self.intervals
+        return sum(xs) / len(xs)
+
+    def remaining(self) -> float | None:
+        """Seconds to the end of the run, or None while nothing is measured to say it."""
+        now, left = self.clock(), self.total - self.done
+        per_step = self.step_seconds()
+        if left > 0 and (per_step is None or self.last_end is None):
+            return None
+        evals = sum(bool(self.eval_due(v)) for v in range(self.done + 1, self.total + 1))
+        if (evals or self._eval_pending or self.eval_t0 is not None) and self.eval_s is None:
+            return None
+        seconds = 0.0
+        if left > 0:
+            in_step = now - self.last_end - self._eval_in_gap
+            if self.eval_t0 is not None:
+                in_step -= now - self.eval_t0
+            seconds += (left - 1) * per_step + max(per_step - in_step, 0.0)
+        if self.eval_t0 is not None:
+            seconds += self._eval_left(now - self.eval_t0)
+        elif self._eval_pending:
+            seconds += self.eval_s
+        return seconds + evals * (self.eval_s or 0.0)
+
+    def eta(self) -> str:
+        left = self.remaining()
+        if left is None:
+            return "ETA ?"
+        if len(self.intervals) == 1 and self.done < self.total:  # its compiles included
+            return f"ETA {clock(left)} or less (from the first step, compiles included)"
+        return f"ETA {clock(left)}"
+
+
+def steady_seconds(events: list[float], start: float, end: float) -> float:
+    """What a run of work from ``start`` to ``end`` would take without its start-up (compiles):
+    twice the time from its middle event (of ``events``, e.g. model calls returning) to its
+    end; the whole span when it has fewer than two events."""
+    if len(events) < 2:
+        return end - start
+    return min(2.0 * (end - sorted(events)[len(events) // 2]), end - start)

@@ -15,10 +15,14 @@ from gyre.metrics import MetricsWriter
 from gyre.model import decoder
 
 
-def run(mesh_spec: mesh.MeshSpec, model: decoder.ModelSpec, seed: int, workdir: str) -> dict:
+def run(mesh_spec: mesh.MeshSpec, model: decoder.ModelSpec, seed: int, workdir: str,
+        phase=lambda name: None) -> dict:  # fmt: skip
+    """The smoke experiment; ``phase(name)`` names each part as it starts (the status line)."""
     t0 = time.time()
+    phase("making the cells")
     cells = mesh.cells_for(mesh_spec)
     train_cell, rollout_cell = cells[0], cells[-1]
+    phase(f"initialising the model on cell 0 ({train_cell.size} devices)")
     graphdef, state = decoder.init_sharded(model, seed, train_cell, "train")
 
     batch, length = 2 * train_cell.mesh.shape["data"], 32
@@ -36,9 +40,11 @@ def run(mesh_spec: mesh.MeshSpec, model: decoder.ModelSpec, seed: int, workdir: 
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
 
+    phase("compiling and running one forward/backward on cell 0")
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state, tokens, pos, leave)
     grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
 
+    phase(f"moving the weights to cell {rollout_cell.index}'s rollout layout")
     logical = decoder.param_logical_axes(nnx.merge(graphdef, state))
     target = mesh.tree_shardings(rollout_cell, "rollout", logical, state)
     moved = mesh.move(state, target)

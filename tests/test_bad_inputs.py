@@ -152,7 +152,7 @@ BAD_FILES = [
     (lambda d: b"", "header length 0 does not fit the file's 0 bytes"),
     (lambda d: d[:5], "does not fit the file's 5 bytes"),
     (lambda d: d[:40], "does not fit the file's 40 bytes (truncated, or not a safetensors file)"),
-    (lambda d: d[:-3], "file not fully covered"),  # data cut short
+    (lambda d: d[:-3], "ends at byte 32 of data, past the file's 29 (truncated)"),  # cut short
     (lambda d: (2**40).to_bytes(8, "little") + d[8:], "header length 1099511627776 does not fit"),
     (lambda d: (2**64 - 1).to_bytes(8, "little") + d[8:], "does not fit"),
     (lambda d: with_header(d, b'{"w": '), "header is not JSON"),

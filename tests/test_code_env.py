@@ -33,7 +33,7 @@ def test_fix_after_a_failing_run_succeeds_and_counts_milestones():
     res = run(CodeScriptPolicy([BUGGY, "run_tests", GOOD, "run_tests"]))
     assert (res.end_reason, res.score, res.milestones, res.num_milestones) == ("success", 1.0, 5, 5)
     text = B.decode(res.records[-1].prompt)
-    assert "[tests 2/5 passed: fail fail pass fail pass]" in text  # 2 odd? 1, 91 prime?
+    assert "[tests 2/5 passed]" in text  # counts only: the hidden tests stay hidden
     for prev, rec in zip(res.records, res.records[1:]):
         assert rec.prompt[: prev.tokens.size].tolist() == prev.tokens.tolist()
 
@@ -53,7 +53,7 @@ def test_code_killed_by_the_sandbox_is_a_policy_failure_not_infra():
     env = CodeEnv(limits=SandboxLimits(wall_seconds=0.3), max_runs=2)
     res = run(CodeScriptPolicy([hang, "run_tests"]), env=env)
     assert res.end_reason == "failure" and res.score == 0.0 and res.stats["infra_retries"] == 0
-    assert "[tests not run: timeout: killed after 0.3 s wall]" in B.decode(res.records[-1].prompt)
+    assert "[tests not run: timeout]" in B.decode(res.records[-1].prompt)
 
 
 def test_compaction_keeps_the_file_in_the_summary():

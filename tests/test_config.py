@@ -104,10 +104,12 @@ CHOICE_OWNERS = {
     "scheduler.policy": ("gyre.elastic.policy", "POLICIES"),
     "scheduler.handover": ("gyre.rollout.types", "HANDOVERS"),
     "env.name": ("gyre.envs.registry", "ENVIRONMENTS"),
+    "env.problem_format": ("gyre.envs.published", "FORMATS"),
     "rollout.cpu_vector_width": ("gyre.rollout.types", "CPU_VECTOR_WIDTHS"),
     "rollout.admission": ("gyre.rollout.types", "ADMISSIONS"),
     "model.attention": ("gyre.model.attention", "IMPLS"),
     "model.dtype": ("gyre.model.decoder", "DTYPES"),
+    "train.remat": ("gyre.model.decoder", "REMAT_POLICIES"),
     "cluster.backend": ("gyre.cluster.spec", "BACKENDS"),
 }
 

@@ -38,10 +38,13 @@ CHANGED = {
     "rollout.decode_steps": 4,
     "rollout.cpu_vector_width": 256,
     "rollout.admission": "resident",
+    "train.remat": "full",
     "cluster.backend": "ray",
     "cluster.address": "auto",
     "env.name": "code",
     "env.tasks": "chain_sum",
+    "env.problem_file": "/somewhere/set.jsonl",
+    "env.problem_format": "mbpp",
     "run.entry": "sft",
     "scheduler.policy": "async",
     "scheduler.handover": "retry",
@@ -118,8 +121,9 @@ def test_building_specs_writes_nothing(tmp_path, monkeypatch):
 
 
 PACKAGE = pathlib.Path(builder.__file__).resolve().parents[1]
-# Where a ConfigDict may appear: its definition, the boundary, and the builder it calls.
-CONFIG_READERS = {"config.py", "run.py", "rl/builder.py"}
+# Where a ConfigDict may appear: its definition, the boundaries (the run, and the memory
+# plan's command line, which builds specs as the run does), and the builder they call.
+CONFIG_READERS = {"config.py", "run.py", "plan.py", "rl/builder.py"}
 
 
 def test_no_module_below_the_builder_receives_a_config():

@@ -13,6 +13,7 @@ import gyre
 
 # Top floor first; docs/architecture.md ("Layering") draws the same table.
 FLOORS = (
+    ("plan",),
     ("run", "analysis"),
     ("config",),
     ("rl",),
@@ -22,7 +23,7 @@ FLOORS = (
     ("envs", "elastic"),
     ("model",),
     ("chat", "trajectory", "mesh"),
-    ("errors", "cache", "metrics", "plots", "signals", "watchdog", "bounds"),
+    ("errors", "cache", "metrics", "plots", "signals", "watchdog", "bounds", "kvpool"),
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 PACKAGE = pathlib.Path(gyre.__file__).parent

@@ -15,7 +15,7 @@ from gyre import run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 # figures each notebook draws from a complete workdir, and with none
-FIGURES = {"quickstart": 3, "scheduler_timeline": 3, "trees": 4}
+FIGURES = {"quickstart": 3, "scheduler_timeline": 4, "trees": 4}
 FIGURES_WITHOUT_RUN = {"quickstart": 0, "scheduler_timeline": 1}
 
 

@@ -66,15 +66,16 @@ def test_a_wrong_answer_fails_with_score_zero(env):
     assert env.score(state) == 0.0 and env.milestones(state) == (0, 1)
 
 
-def test_a_partly_right_answer_gets_the_verifiers_fraction(env):
-    # basic_arithmetic grades an answer that contains the right one by the length ratio.
+def test_a_verifier_fraction_is_recorded_but_never_paid(env):
+    # basic_arithmetic's verifier pays an answer that contains the right one by the length
+    # ratio; that ratio would rank "740" (for 74) above "74 apples": it is recorded, not paid.
     state = env.reset(env.make_tasks(13, 1)[0])
     assert state.name == "basic_arithmetic"
     right = state.entry["answer"]
     step = answer(env, state, f"so it is\n{right} apples")  # no tags: the last line is graded
     assert step.kind == "fail" and state.answer == f"{right} apples"
-    assert env.score(state) == pytest.approx(len(right) / len(f"{right} apples"))
-    assert 0 < env.score(state) < 1 and env.milestones(state) == (0, 1)
+    assert state.verifier_score == pytest.approx(len(right) / len(f"{right} apples"))
+    assert env.score(state) == 0.0 and env.milestones(state) == (0, 1)
     # chain_sum's verifier tolerates a trailing '.0': its own judgement, not string equality.
     state = env.reset(env.make_tasks(13, 2)[1])
     assert state.name == "chain_sum"

@@ -39,6 +39,16 @@ from gyre.train.step import GradResult
 log = logging.getLogger(__name__)
 
 
+class CoreLost(RuntimeError):
+    """The core cell's actor (the optimizer) is lost or late: the run ends with this one line.
+    Not a CellLost, so no handler that carries on without a cell (the proxy's, the
+    controller's, an inert RemoteEngine) can swallow it."""
+
+
+class ActorStartError(RuntimeError):
+    """An actor that could not start (placement, devices): names it and what it asked for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightsRef:
     """The core's weights of one version (the remote trainer's ``params``)."""
@@ -122,7 +132,17 @@ class RayCluster:
                        for a in range(cl.actors)]  # fmt: skip
         self.dead: set[int] = set()  # actor indices
         self.moves = collections.Counter()  # cross-process moves the driver ordered, by kind
-        infos = [self.get(a.info.remote(), 0) for a in self.actors]  # waits for every actor
+        try:
+            infos = wait_started(ray, self.actors, opts, self.timeout)
+        except ActorStartError:
+            for actor in self.actors:  # nothing of a run that could not start stays up
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - never started
+                    pass
+            if self.started:
+                ray.shutdown()
+            raise
         self.platform = infos[0]["platform"]
         self.core = self.actors[0]
 
@@ -169,12 +189,13 @@ class RayCluster:
         except Exception:  # noqa: BLE001 - any failure to answer is a dead actor
             return False
 
-    def lose(self, cell: int, why: str) -> CellLost:
-        """Ends cell ``cell``'s actor (every cell it holds is lost) -> the error to raise."""
+    def lose(self, cell: int, why: str) -> CellLost | CoreLost:
+        """Ends cell ``cell``'s actor (every cell it holds is lost) -> the error to raise (the
+        core's: CoreLost, which ends the run)."""
         a = self.spec.actor_of(cell)
         if a == 0:
-            return CellLost(cell, f"{why}; it holds the core cell (the optimizer): relaunch the "
-                                  "same command to resume from the last checkpoint")  # fmt: skip
+            return CoreLost(f"cell {cell} lost: {why}; it holds the core cell (the optimizer): "
+                            "relaunch the same command to resume from the last checkpoint")  # fmt: skip
         if a not in self.dead:
             self.dead.add(a)
             log.warning("cell %d lost: %s; the run continues on fewer cells", cell, why)
@@ -222,6 +243,25 @@ class RayCluster:
                 self.ray.kill(actor, no_restart=True)
         if self.started:
             self.ray.shutdown()
+
+
+def wait_started(ray, actors, request: dict, timeout: float) -> list[dict]:
+    """Every actor's info once it has started -> [info]; an actor that cannot (no placement
+    for its resource request, no devices, a failing constructor) is an ActorStartError naming
+    it and its request, not a lost cell 0."""
+    refs = [a.info.remote() for a in actors]
+    infos = []
+    for i, ref in enumerate(refs):
+        try:
+            infos.append(ray.get(ref, timeout=timeout))
+        except Exception as e:  # noqa: BLE001 - any failure to start, named below
+            cause = getattr(e, "cause", None) or e
+            why = (str(cause).strip().splitlines() or [type(cause).__name__])[-1][:300]
+            if isinstance(e, ray.exceptions.GetTimeoutError):
+                why = f"not started within {timeout:g} s (cluster.transfer_timeout_s): {why}"
+            raise ActorStartError(f"actor {i} ({actor_name(i)}) could not start, asking for "
+                                  f"{request}: {why}") from None  # fmt: skip
+    return infos
 
 
 def _without_device_count(flags: str) -> str:

@@ -205,7 +205,8 @@ class CellWorker:
                 held = (version, self._weights(cell, "train", offer))
                 self.train_params[cell] = held
             s = self.specs.trainer
-            program = gradient_program(self.graphdef, s.model, s.objective, s.loss, False, c.mesh)
+            program = gradient_program(self.graphdef, s.model, s.objective, s.loss, False, c.mesh,
+                                       s.remat, s.logits_chunk)  # fmt: skip
             res = microbatch_grads(program, c, held[1], None, mb, version)
         key = f"{cell}:{next(self._keys)}"
         self.grads[key] = res.grads

@@ -4,7 +4,8 @@
   routing, a global, unlimited, free prefix cache.
 - :class:`TokenPools`: a KV pool of ``kv_capacity_tokens`` per cell; affinity, FIFO admission
   whose head blocks, LRU eviction of idle contexts, hand-over by migration or re-prefill.
-- :class:`EnginePools`: the real engine's pool rule (gyre/rollout/engine.py, proxy.py).
+- :class:`EnginePools`: the real engine's pool rule (gyre/rollout/engine.py, proxy.py): one
+  :class:`gyre.kvpool.KVPool` per cell, the engine's own class, keyed by execution.
 - :class:`ResidentPools`: token pools with admission that keeps contexts resident
   (gyre/elastic/admission.py): no eviction, calls of admitted executions first.
 - :class:`EngineResidentPools`: the engine's pool rule with the proxy's resident admission
@@ -18,10 +19,12 @@ Token counts are in simulated tokens (a replicated cost model's units).
 from __future__ import annotations
 
 import collections
+import math
 
 from gyre.elastic.admission import ResidentAdmission
 from gyre.elastic.policy import ROLLOUT
 from gyre.elastic.simstate import ExState, Stale
+from gyre.kvpool import KVPool, footprint
 
 
 class NoMemory:
@@ -126,6 +129,10 @@ class TokenPools(NoMemory):
         self.tol = 1e-9 * max(self.cost.kv_capacity_tokens, 1.0)
         self.peak_sum, self.peak_n = 0.0, 0  # largest reservations of the ended executions
 
+    def _pool_tokens(self) -> float:
+        """KV tokens a cell's pool holds."""
+        return self.cost.kv_capacity_tokens
+
     def check(self, steps) -> None:
         need = max(self.need(c) for b in steps for ex in b for c in ex.calls)
         if need > self.cost.kv_capacity_tokens:
@@ -150,8 +157,16 @@ class TokenPools(NoMemory):
         slots = self.cost.slots
         return c.role == ROLLOUT and not c.switching and (slots <= 0 or c.load() < slots)
 
+    def _live(self, c) -> float:
+        """KV tokens the live requests on ``c`` reserve."""
+        return c.kv_live
+
+    def _used(self, c) -> float:
+        """KV tokens taken on ``c``: live reservations and idle contexts."""
+        return c.kv_live + c.kv_idle
+
     def _fits(self, c, need: float, evict: bool = True) -> bool:
-        used = c.kv_live + (0.0 if evict else c.kv_idle)
+        used = self._live(c) if evict else self._used(c)
         return used + need <= self.cost.kv_capacity_tokens + self.tol
 
     def _most_room(self, need: float, exclude=None, live: bool = True):
@@ -167,7 +182,7 @@ class TokenPools(NoMemory):
                 continue
             key = (
                 self._fits(c, need, evict=False),
-                -c.kv_live - (0.0 if live else c.kv_idle),
+                -(self._live(c) if live else self._used(c)),
                 -c.i,
             )
             if best_key is None or key > best_key:
@@ -212,6 +227,31 @@ class TokenPools(NoMemory):
             c.kv_idle -= c.idle.pop(es)
         es.cell, es.held = None, 0.0
 
+    def _reserve(self, c, es, need: float) -> None:
+        """``es``'s request on ``c`` reserves ``need`` tokens (idle contexts evicted to fit)."""
+        c.kv_live += need
+        self._evict(c)
+
+    def _unreserve(self, c, es, need: float) -> None:
+        """``es``'s request leaves ``c`` without a context there (its reservation goes)."""
+        c.kv_live -= need
+
+    def _put_idle(self, c, key, held: float) -> bool:
+        """An idle context of ``held`` tokens joins ``c`` (most recently used) -> whether it
+        did (it always does here: the caller checked the room)."""
+        c.idle[key] = held
+        c.kv_idle += held
+        return True
+
+    def _idle_items(self, c) -> list:
+        """(key, tokens) of the idle contexts on ``c``, least recently used first."""
+        return list(c.idle.items())
+
+    def _clear_cell(self, c) -> None:
+        """``c`` left rollout: its pool is empty."""
+        c.idle.clear()
+        c.kv_live = c.kv_idle = 0.0
+
     def _evict(self, c) -> None:
         counters = self.sim.counters
         while c.idle and c.kv_live + c.kv_idle > self.cost.kv_capacity_tokens + self.tol:
@@ -251,8 +291,7 @@ class TokenPools(NoMemory):
         es.cell, es.held, es.peak = c, req.need, max(es.peak, req.need)
         es.home = c
         self._note(req.need)
-        c.kv_live += req.need
-        self._evict(c)
+        self._reserve(c, es, req.need)
 
     def _idle_tokens(self, req) -> float:
         return req.need
@@ -267,7 +306,7 @@ class TokenPools(NoMemory):
         es.cell, es.held = c, held
 
     def dropped(self, c, req) -> None:
-        c.kv_live -= req.need
+        self._unreserve(c, req.ex, req.need)
         req.ex.cell, req.ex.held = None, 0.0
 
     def ended(self, es) -> None:
@@ -292,11 +331,9 @@ class TokenPools(NoMemory):
         counters = self.sim.counters
         es.cell, es.held = None, 0.0
         dst = self._dest(es, held, src, live=False)
-        if dst is None:
+        if dst is None or not self._put_idle(dst, es, held):
             counters["dropped_contexts"] += 1
             return 0.0
-        dst.idle[es] = held
-        dst.kv_idle += held
         es.cell, es.held = dst, held
         counters["migrated_contexts"] += 1
         counters["migrated_tokens"] += held
@@ -312,16 +349,15 @@ class TokenPools(NoMemory):
             sim._detach(c, req)
             es, call = req.ex, req.ex.ex.calls[req.call]
             so_far = call.prompt_tokens + call.completion_tokens - req.remaining
-            c.kv_live -= req.need
+            self._unreserve(c, es, req.need)
             es.cell, es.held = None, 0.0
             dst = self._dest(es, req.need, c, live=True)
             if dst is None:
                 req.prefill, req.cached, req.fresh = so_far, 0.0, False
                 requeue.append(req)
                 continue
-            dst.kv_live += req.need
             es.cell, es.held = dst, req.need
-            self._evict(dst)
+            self._reserve(dst, es, req.need)
             req.cell = dst
             sim._join(dst, req)
             sim._record(dst)
@@ -330,15 +366,14 @@ class TokenPools(NoMemory):
             counters["migrated_tokens"] += so_far
         waiting = ([c.prefilling] if c.prefilling is not None else []) + list(c.prefill_q)
         for req in waiting:  # admitted, not decoding yet: back to the queue, context handed over
-            c.kv_live -= req.need
+            self._unreserve(c, req.ex, req.need)
             req.ex.cell, req.ex.held = None, 0.0
             if req.fresh and req.cached > 0:
                 moved_tokens += self._hand_idle(req.ex, req.cached, c)
             requeue.append(req)
-        for es, held in reversed(list(c.idle.items())):  # idle, most recently used first
+        for es, held in reversed(self._idle_items(c)):  # idle, most recently used first
             moved_tokens += self._hand_idle(es, held, c)
-        c.idle.clear()
-        c.kv_live = c.kv_idle = 0.0
+        self._clear_cell(c)
         sim._clear(c)
         self._requeue(requeue)
         return self.cost.migrate_s(moved_tokens) if migrate else 0.0
@@ -351,36 +386,145 @@ class TokenPools(NoMemory):
 
 
 class EnginePools(TokenPools):
-    """The real engine's pool rule (``engine_pool=(max_new_tokens, max_len)``).
+    """The real engine's pool rule (``engine_pool=(max_new_tokens, max_len)``, or
+    ``(max_new_tokens, max_len, page_size)`` for a paged engine, ``rollout.kv_page``).
 
-    A request reserves its footprint P + min(max_new_tokens, max_len - P) - 1, an idle context
-    its cached length P + completion - 1; a call goes back to the cell that served its
-    execution last when that has a slot and room, else to the cell with most free slots, then
-    most room, then lowest index; a context left behind (or by an ended execution) stays idle
-    until evicted or cleared; new weights clear every idle context; the policy's capacity is
-    min(slots, pool / mean footprint of the last 4 x slots admissions).
+    Each cell's accounting is a :class:`gyre.kvpool.KVPool`, the class the engine's own pool
+    is (gyre/rollout/engine.py), keyed by execution (a context left behind: its
+    :class:`~gyre.elastic.simstate.Stale`), of ``kv_capacity_tokens`` rounded down to whole
+    pages of ``page_size`` tokens (default 1: the engine's slot layout, a page a token). So
+    the rule is the engine's, not a copy: a request reserves the pages of its footprint P +
+    min(max_new_tokens, max_len - P) - 1 and fits where the live reservations leave them
+    (idle contexts count as free); placing it evicts idle contexts least recently used first
+    (pinned ones last under resident admission) until the pages are free
+    (:meth:`KVPool.claim`); its call done, it keeps the pages of its cached length P +
+    completion - 1, idle, most recently used. A call goes back to the cell that served its
+    execution last when that has a slot and room, else to the cell with most free slots,
+    then most room, then lowest index; a context left behind (or by an ended execution)
+    stays idle until evicted or cleared; new weights clear every idle context; the policy's
+    capacity is min(slots, pool / mean footprint, in whole pages, of the last 4 x slots
+    admissions). The cells' ``kv_live``, ``kv_idle`` and ``idle`` mirror the pools (in whole
+    pages; ``idle`` in LRU order) for readers; decisions read the pools. Token counts are
+    whole: a fractional one (a scaled workload's) takes the pages of its ceiling.
     """
 
-    def __init__(self, sim, engine_pool: tuple[int, int]):
+    def __init__(self, sim, engine_pool: tuple):
         super().__init__(sim)
-        self.max_new, self.max_len = engine_pool
+        if len(engine_pool) not in (2, 3):
+            raise ValueError(f"engine_pool is (max_new_tokens, max_len[, page_size]), got "
+                             f"{engine_pool!r}")  # fmt: skip
+        self.max_new, self.max_len = engine_pool[:2]
+        self.page_size = int(engine_pool[2]) if len(engine_pool) == 3 else 1
+        num_pages = math.floor(self.cost.kv_capacity_tokens / max(self.page_size, 1) + 1e-9)
+        self.pools = [KVPool(num_pages, self.page_size) for _ in range(sim.k)]
         self.recent: collections.deque = collections.deque(maxlen=4 * max(self.cost.slots, 1))
         self.all_es: list = []  # every dispatched execution (eviction records)
 
     def need(self, call) -> float:
-        p = call.prompt_tokens
-        return p + min(self.max_new, self.max_len - p) - 1
+        return footprint(call.prompt_tokens, self.max_new, self.max_len)
+
+    def _pool_tokens(self) -> float:
+        """The engine's budget: whole pages."""
+        kv = self.pools[0]
+        return float(kv.num_pages * kv.page_size)
+
+    def _pages(self, tokens: float) -> int:
+        """Pages that hold ``tokens`` tokens (a fraction of a token takes a whole one)."""
+        return self.pools[0].pages_for(math.ceil(tokens - 1e-9))
+
+    def check(self, steps) -> None:
+        need = max(self.need(c) for b in steps for ex in b for c in ex.calls)
+        if self._pages(need) > self.pools[0].num_pages:
+            raise ValueError(
+                f"a call needs {need} KV tokens but a cell holds {self._pool_tokens():.0f} "
+                f"(kv_capacity_tokens in whole pages of {self.page_size}): it could never run"
+            )
 
     def capacity(self) -> float:
         cost = self.cost
         if not self.recent:
             return float(cost.slots)
-        cap = cost.kv_capacity_tokens * len(self.recent) / sum(self.recent)
+        cap = self._pool_tokens() * len(self.recent) / sum(self.recent)
         return min(float(cost.slots), cap) if cost.slots > 0 else cap
 
     def dispatched(self, es) -> None:
         self.all_es.append(es)
 
+    # ---- the pools --------------------------------------------------------------------
+    def _sync(self, c) -> None:
+        """The cell's mirror of its pool (read by tests and notebooks, never by a decision)."""
+        kv = self.pools[c.i]
+        order = kv.lru()
+        c.idle = collections.OrderedDict((k, k.held) for k in order)
+        c.kv_live = float(kv.live_pages() * kv.page_size)
+        c.kv_idle = float(kv.used_pages * kv.page_size) - c.kv_live
+
+    def _live(self, c) -> float:
+        kv = self.pools[c.i]
+        return float(kv.live_pages() * kv.page_size)
+
+    def _used(self, c) -> float:
+        kv = self.pools[c.i]
+        return float(kv.used_pages * kv.page_size)
+
+    def _fits(self, c, need: float, evict: bool = True) -> bool:
+        """Engine.can_admit's room: pages the live reservations leave (evicting idle contexts)
+        or, with ``evict`` False, free pages now."""
+        kv = self.pools[c.i]
+        room = kv.num_pages - kv.live_pages() if evict else kv.free_pages
+        return self._pages(need) <= room
+
+    def _pinned_on(self, c):
+        """Which idle contexts on ``c`` are evicted last (None: plain LRU)."""
+        return None
+
+    def _evicted(self, c, key) -> None:
+        """Engine._evict: ``key``'s idle context on ``c`` goes; its execution re-prefills."""
+        self.pools[c.i].release(key)
+        key.cell, key.held = None, 0.0
+        (key if isinstance(key, ExState) else key.owner).lost.add(c)
+        self.sim.counters["evictions"] += 1
+
+    def _claim(self, c, key, tokens: float, idle: bool) -> None:
+        """``key`` gets the pages of ``tokens`` on ``c``, evicting idle contexts (LRU, pinned
+        last) until they are free (Engine._claim), and runs (or, ``idle``, waits)."""
+        kv = self.pools[c.i]
+        kv.claim(key, 0, self._pages(tokens) * kv.page_size,
+                 lambda k: self._evicted(c, k), self._pinned_on(c))  # fmt: skip
+        kv.touch(key, idle=idle)
+        self._sync(c)
+
+    def _reserve(self, c, es, need: float) -> None:
+        self._claim(c, es, need, idle=False)
+
+    def _unreserve(self, c, es, need: float) -> None:
+        self.pools[c.i].release(es)
+        self._sync(c)
+
+    def _put_idle(self, c, key, held: float) -> bool:
+        """An idle context arriving (a hand-over): it takes its pages, evicting idle contexts
+        as the engine's import does, where the live reservations leave room; else refused."""
+        if not self._fits(c, held):
+            return False
+        self._claim(c, key, held, idle=True)
+        return True
+
+    def _idle_items(self, c) -> list:
+        return [(k, k.held) for k in self.pools[c.i].lru()]
+
+    def _clear_cell(self, c) -> None:
+        kv = self.pools[c.i]
+        self.pools[c.i] = KVPool(kv.num_pages, kv.page_size)
+        self._sync(c)
+
+    def _forget(self, es) -> None:
+        c = es.cell
+        if c is not None and self.pools[c.i].is_idle(es):
+            self.pools[c.i].release(es)
+            self._sync(c)
+        es.cell, es.held = None, 0.0
+
+    # ---- placement and contexts ----------------------------------------------------------
     def _pick(self, req):  # proxy._pick: affinity, then free slots, room, index
         home = req.ex.home
         if home is not None and self._open(home) and self._fits(home, req.need):
@@ -388,7 +532,7 @@ class EnginePools(TokenPools):
         ok = [c for c in self.sim.cells if self._open(c) and self._fits(c, req.need)]
         if not ok:
             return None
-        return max(ok, key=lambda c: (self.cost.slots - c.load(), -c.kv_live, -c.i))
+        return max(ok, key=lambda c: (self.cost.slots - c.load(), -self._live(c), -c.i))
 
     def _count_reprefill(self, c, es, reuse, cached, call) -> None:
         if c in es.lost:  # the engine's count: on a cell that evicted it, bar the last token
@@ -398,22 +542,31 @@ class EnginePools(TokenPools):
             )
 
     def _leave_behind(self, es, c) -> None:
-        if es.cell is not None and es.cell is not c and es in es.cell.idle:
-            old = es.cell  # the engine leaves the context where it was, idle, until evicted
-            stale = Stale(old, es.held, es)
-            old.idle = collections.OrderedDict(
-                (stale if k is es else k, v) for k, v in old.idle.items()
-            )
+        old = es.cell
+        if old is not None and old is not c and self.pools[old.i].is_idle(es):
+            # the engine leaves the context where it was, idle, until evicted
+            self.pools[old.i].rename(es, Stale(old, es.held, es))
             es.cell, es.held = None, 0.0
+            self._sync(old)
 
     def _note(self, need: float) -> None:
-        self.recent.append(need)
+        self.recent.append(self._pages(need) * self.page_size)
 
-    def _idle_tokens(
-        self, req
-    ) -> float:  # the slot's cached length: the last token is not fed back
+    def _idle_tokens(self, req) -> float:
+        """The slot's cached length: the last token is not fed back (within the footprint:
+        a completion past max_new_tokens is not the engine's)."""
         call = req.ex.ex.calls[req.call]
-        return call.prompt_tokens + call.completion_tokens - 1
+        return min(call.prompt_tokens + call.completion_tokens - 1, req.need)
+
+    def call_done(self, c, req) -> None:
+        """Engine._end: the request's pages shrink to its context, idle, most recently used."""
+        es, held = req.ex, self._idle_tokens(req)
+        kv = self.pools[c.i]
+        tokens = self._pages(held) * kv.page_size
+        kv.resize(es, tokens, tokens)
+        kv.touch(es, idle=True)
+        es.cell, es.held = c, held
+        self._sync(c)
 
     def ended(self, es) -> None:  # the engine keeps the context, idle, until evicted
         self._ended_peak(es)
@@ -422,10 +575,11 @@ class EnginePools(TokenPools):
     def new_weights(self) -> None:
         """New weights clear every idle context (not evictions) and the eviction records."""
         for c in self.sim.cells:
-            for es in c.idle:
-                es.cell, es.held = None, 0.0
-            c.idle.clear()
-            c.kv_idle = 0.0
+            kv = self.pools[c.i]
+            for key in kv.lru():
+                kv.release(key)
+                key.cell, key.held = None, 0.0
+            self._sync(c)
         for es in self.all_es:
             es.lost.clear()
 
@@ -445,7 +599,7 @@ class ResidentPools(TokenPools):
 
     def __init__(self, sim, *pool):
         super().__init__(sim, *pool)
-        self.ledger = ResidentAdmission(sim.k, self.cost.kv_capacity_tokens, self._slots())
+        self.ledger = ResidentAdmission(sim.k, self._pool_tokens(), self._slots())
         self.waiting: collections.deque = collections.deque()  # calls of admitted executions
         self.moving: dict = {}  # during a hand-over: execution -> its new cell index or None
 
@@ -552,7 +706,8 @@ class EngineResidentPools(ResidentPools, EnginePools):
     ``resident_admission``; gyre/rollout/proxy.py ``admission="resident"``).
 
     The ledger is :class:`ResidentAdmission` (the proxy's rule, not a copy) over cells of
-    ``kv_capacity_tokens`` with at most ``slots`` admitted executions each; a reservation is
+    the pool's tokens (``kv_capacity_tokens`` in whole pages, the engine's budget) with at
+    most ``slots`` admitted executions each; a reservation is
     the call's footprint P + min(max_new_tokens, max_len - P) - 1 (or the mean peak of the
     executions ended so far if larger), grown per call on the execution's own cell. A call
     is placed where the engine can take it now (a free slot, live footprints + its own within
@@ -562,8 +717,8 @@ class EngineResidentPools(ResidentPools, EnginePools):
     stays, idle and unpinned; counted in ``preemptions``, not as an eviction). The pool
     evicts idle contexts least recently used first, those of executions admitted to that
     cell (pinned) last (``pinned_evictions`` counts those; none while the reservations fit
-    the pool): contexts of ended, preempted or moved-away executions go first, and count as
-    evictions. New weights clear every idle context (reservations stay), and an execution
+    the pool; :meth:`KVPool.lru` with the ledger as ``pinned``): contexts of ended, preempted
+    or moved-away executions go first, and count as evictions. New weights clear every idle context (reservations stay), and an execution
     that made no call over a whole weight version and has none outstanding loses its
     reservation then (``expired``). A cell leaving rollout loses its idle contexts
     (``dropped_contexts``); its reservations move to the rollout cell with most room
@@ -571,7 +726,7 @@ class EngineResidentPools(ResidentPools, EnginePools):
     else the call is retried as a new execution's) or are dropped (re-prefill).
     """
 
-    def __init__(self, sim, engine_pool: tuple[int, int]):
+    def __init__(self, sim, engine_pool: tuple):
         super().__init__(sim, engine_pool)
         self.called: set = set()  # executions with a call since the last new weights
 
@@ -592,20 +747,13 @@ class EngineResidentPools(ResidentPools, EnginePools):
         self.called.add(req.ex)
         super().route(req)
 
-    def _evict(self, c) -> None:
-        """Engine._make_room: idle contexts least recently used first, pinned ones last."""
-        cap = self.cost.kv_capacity_tokens + self.tol
-        if c.kv_live + c.kv_idle <= cap:
-            return
-        counters = self.sim.counters
-        for key in sorted(c.idle, key=lambda k: self._pinned(k, c)):  # stable: LRU within
-            if c.kv_live + c.kv_idle <= cap:
-                break
-            counters["pinned_evictions"] += self._pinned(key, c)
-            c.kv_idle -= c.idle.pop(key)
-            key.cell, key.held = None, 0.0
-            (key if isinstance(key, ExState) else key.owner).lost.add(c)
-            counters["evictions"] += 1
+    def _pinned_on(self, c):
+        """Engine.pinned (the proxy's ledger): contexts of executions admitted to ``c``."""
+        return lambda key: self._pinned(key, c)
+
+    def _evicted(self, c, key) -> None:
+        self.sim.counters["pinned_evictions"] += self._pinned(key, c)
+        super()._evicted(c, key)
 
     def _preempt(self, c) -> None:
         """Frees the youngest reservation on ``c``; its context stays there, idle, unpinned."""

@@ -23,6 +23,10 @@ Model (every approximation is one line here, so results can be read against it):
   per-context-token; a token's context is its call's (prompt + completion / 2).
 - The optimizer step waits for a ring all-reduce of the gradients over the n cells that
   trained the step: 2 (n - 1) / n x ``reduce_s``.
+- Carry-over (``PolicyParams.close_share`` < 1, docs/policies.md): a step may close once
+  that share of its own units (task groups under ``pack_by_group``, else executions) has
+  ended; its units still running then belong to the next step (at most ``max_carry`` times),
+  and their tokens, those made so far included, are queued there when they end.
 - A batch of step s is dispatched when the policy allows it; rollout cells serve every
   request regardless of version (staleness is bounded by the dispatch rule).
 - When a new version is published every rollout cell pauses ``weight_load_s`` to load it

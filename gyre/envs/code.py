@@ -3,7 +3,7 @@
 Byte-level tokens (``vocab.ByteVocab``). A turn is UTF-8 text ending with EOS:
   ``write_file\\n<the whole solution.py>``   replaces the solution file;
   ``run_tests``                            runs the hidden tests in the sandbox.
-Observations are short texts ("[wrote 42 bytes]", "[tests 3/5 passed: ...]"). Each hidden test
+Observations are short texts ("[wrote 42 bytes]", "[tests 3/5 passed]": counts only). Each hidden test
 is a milestone; the judge counts the best single run (passing different tests with different
 versions of the file does not add up). More than ``max_runs`` test runs end in failure.
 Sandbox failures caused by the code (timeout, memory, load errors) are observations; a sandbox
@@ -132,9 +132,12 @@ class CodeEnv(Environment):
 
     @staticmethod
     def _report(result: SandboxResult, n: int) -> str:
+        """Counts and the status word only: the tests are hidden, and anything the program
+        controls (its output, an exception's name, the order of verdicts) could carry their
+        inputs back to the model."""
         if result.status != "ok":
-            return f"[tests not run: {result.status}: {result.detail[:120]}]"
-        return f"[tests {result.passed}/{n} passed: {' '.join(result.results)}]"
+            return f"[tests not run: {result.status}]"
+        return f"[tests {result.passed}/{n} passed]"
 
     def deliver(self, state, sub_state, succeeded):
         return np.zeros(0, np.int32)

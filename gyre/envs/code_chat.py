@@ -3,10 +3,13 @@
 Problems come from :mod:`gyre.envs.code_problems` (shipped, with a fixed train/eval split). The
 model sees the signature, the description and 1-2 visible examples, and has three tools:
   - ``write_file(content)``: replaces solution.py (at most ``max_file_bytes`` UTF-8 bytes);
-  - ``run_tests()``: runs the visible examples and the hidden tests in one sandbox run
-    (:func:`gyre.envs.sandbox.run_tests`). The response gives the pass counts; for the first
-    failing VISIBLE example it shows the input, what came back and what was expected. Hidden
-    tests are only counted: their inputs and expected values never reach the model;
+  - ``run_tests()``: runs the visible examples and the hidden tests, each in its own sandbox
+    run (:func:`gyre.envs.sandbox.run_tests`). The response gives the pass counts; for the
+    first failing VISIBLE example it shows the input, what came back and what was expected.
+    Hidden tests are only counted (or their run's status word given): the program answering
+    the examples never sees a hidden input, and nothing else of the hidden run (output,
+    exception names, details) is quoted, so their inputs and expected values never reach
+    the model;
   - ``read_file()``: shows solution.py.
 A reply without a tool call that holds a fenced code block (the last ```python / ```py /
 ```python3 block, else the last untagged ``` block) is written to solution.py and tested at once,
@@ -25,13 +28,15 @@ sandbox cannot run at all, constructing the environment raises SandboxUnavailabl
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 
 import numpy as np
 
 from gyre.envs.base import Task
-from gyre.envs.code_problems import DATA_FILE, CodeProblem, load_problems, split_names
+from gyre.envs.code_problems import DATA_FILE, CodeProblem, split_names
+from gyre.envs.published import load_problem_set
 from gyre.envs.sandbox import SandboxLimits, SandboxResult, require_isolation, run_tests
 from gyre.envs.text import TextEnvironment, TextStep
 
@@ -84,7 +89,7 @@ class CodeChatEnv(TextEnvironment):
 
     def __init__(self, limits: SandboxLimits | None = None, max_runs: int = 8,
                  max_file_bytes: int = 16384, tool_timeout: float = 30.0,
-                 problem_file: str = DATA_FILE):  # fmt: skip
+                 problem_file: str = DATA_FILE, problem_format: str = "auto"):  # fmt: skip
         require_isolation()  # never run untrusted code unconfined: refuse to start instead
         if max_runs < 1 or max_file_bytes < 1:
             raise ValueError(
@@ -93,7 +98,7 @@ class CodeChatEnv(TextEnvironment):
         self.limits = limits or SandboxLimits()
         self.max_runs, self.max_file_bytes = max_runs, max_file_bytes
         self.tool_timeout = tool_timeout
-        self.problems = load_problems(problem_file)
+        self.problems = load_problem_set(problem_file, problem_format)  # gyre/envs/published.py
         content = {"type": "string", "description": "the whole new content of solution.py"}
         self.tools = (
             _schema("write_file", f"Replace solution.py with content (at most "
@@ -123,16 +128,7 @@ class CodeChatEnv(TextEnvironment):
         return CodeChatState(task, self.problems[name])
 
     def task_text(self, state: CodeChatState) -> str:
-        p = state.problem
-        examples = "\n".join(
-            f"{_call(p.name, args)} == {expected!r}" for args, expected in p.examples
-        )
-        return (
-            f"Write this Python function in solution.py:\n\ndef {p.signature}:\n\n{p.description}\n\n"
-            f"Examples:\n{examples}\n\nHidden tests call it on other inputs and compare the "
-            "returned value exactly, type included (return lists, not tuples). You have at "
-            f"most {self.max_runs} test runs."
-        )
+        return state.problem.statement(self.max_runs)
 
     # ---- tools -----------------------------------------------------------------------------
     async def call_tool(self, state: CodeChatState, name: str, arguments: dict) -> TextStep:
@@ -184,10 +180,14 @@ class CodeChatEnv(TextEnvironment):
                               "solution.py with write_file(content), then call run_tests().")  # fmt: skip
 
     async def _submit(self, state: CodeChatState, source: str) -> TextStep:
-        """Runs every test on ``source``; only then records the file and the run."""
+        """Runs every test on ``source``; only then records the file and the run. The
+        examples and the hidden tests run in two sandboxes at once: the program that answers
+        the examples never holds a hidden input, so nothing it returns can carry one."""
         p = state.problem
-        result = await run_tests(source, p.name, [*p.examples, *p.tests], self.limits)
-        passed, solved, report = self._report(p, result, state.runs + 1)
+        shown, hidden = await asyncio.gather(
+            run_tests(*p.sandbox_call(source, p.examples), self.limits),
+            run_tests(*p.sandbox_call(source, p.tests), self.limits))  # fmt: skip
+        passed, solved, report = self._report(p, shown, hidden, state.runs + 1)
         state.file = source
         state.runs += 1
         state.best = max(state.best, passed)
@@ -199,28 +199,28 @@ class CodeChatEnv(TextEnvironment):
             return TextStep("fail", f"{report}\nNo test runs left.")
         return TextStep("ok", report)
 
-    def _report(self, p: CodeProblem, result: SandboxResult, run: int) -> tuple[int, bool, str]:
-        """(hidden tests passed, whether every test passed, text for the model). Hidden tests
-        are only counted: their inputs and expected values stay out of the text."""
+    def _report(self, p: CodeProblem, shown: SandboxResult, hidden: SandboxResult,
+                run: int) -> tuple[int, bool, str]:  # fmt: skip
+        """(hidden tests passed, whether every test passed, text for the model). Of the hidden
+        run only its pass count, or its status word, reaches the text: its output, exception
+        names and details are the program's and could spell out a hidden input."""
         head = f"Test run {run} of {self.max_runs}:"
-        if len(result.results) != len(p.examples) + len(p.tests):  # the run did not finish
-            detail = f"{result.status}: {result.detail[:300]}"
-            return 0, False, f"{head} the tests did not run to completion ({detail})."
-        shown, hidden = result.results[: len(p.examples)], result.results[len(p.examples) :]
-        shown_passed = sum(r == "pass" for r in shown)
-        hidden_passed = sum(r == "pass" for r in hidden)
-        counts = (f"examples {shown_passed}/{len(shown)} passed, hidden tests "
-                  f"{hidden_passed}/{len(hidden)} passed")  # fmt: skip
-        if shown_passed == len(shown) and hidden_passed == len(hidden):
+        hidden_passed = hidden.passed if len(hidden.results) == len(p.tests) else 0
+        hidden_text = (f"hidden tests {hidden_passed}/{len(p.tests)} passed"
+                       if len(hidden.results) == len(p.tests)
+                       else f"the hidden tests did not run to completion ({hidden.status})")  # fmt: skip
+        if len(shown.results) != len(p.examples):  # the examples' run did not finish
+            detail = f"{shown.status}: {shown.detail[:300]}"
+            return hidden_passed, False, (f"{head} the examples did not run to completion "
+                                          f"({detail}); {hidden_text}.")  # fmt: skip
+        shown_passed = sum(r == "pass" for r in shown.results)
+        counts = f"examples {shown_passed}/{len(p.examples)} passed, {hidden_text}"
+        if shown_passed == len(p.examples) and hidden_passed == len(p.tests):
             return hidden_passed, True, f"{head} {counts}. All tests pass: solved."
         lines = [f"{head} {counts}."]
-        for i, verdict in enumerate(shown):
+        for i, verdict in enumerate(shown.results):
             if verdict != "pass":
-                args, expected = p.examples[i]
-                got = (f"raised {verdict[len('error:'):]}" if verdict.startswith("error:")
-                       else f"returned {result.outputs[i]!r}")  # fmt: skip
-                lines.append(f"First failing example: {_call(p.name, args)} {got}, "
-                             f"expected {expected!r}.")  # fmt: skip
+                lines.append(p.failure_text(i, verdict, shown.outputs[i]))
                 break
         else:
             lines.append("Every example passes; the failing hidden tests stay hidden.")

@@ -12,6 +12,13 @@ A test is ``{"args": [positional arguments], "expected": value}``, all JSON valu
 judge compares type and value (``type(got) is type(expected) and got == expected`` after a JSON
 round trip: tuples become lists, dict keys strings, and 1 != 1.0 != True).
 
+Published sets (HumanEval- and MBPP-style JSONL, gyre/envs/published.py) load into the same
+:class:`CodeProblem` with ``kind == "assert"``: their tests are the set's own asserts, run in the
+sandbox and counted outside it. How strong the shipped set's hidden tests are is measured by
+``benchmarks/mutants.py`` (simple mutants of the reference solutions that pass every hidden test;
+tests/test_code_set_strength.py keeps it at most 1%, and checks that no held-out problem is
+the inverse of a training one).
+
 Split: a problem is held out for evaluation when the first 8 hex digits of
 ``sha256("gyre-code-split/" + name)`` read as an integer are divisible by 5 (about 20%), else it is
 for training. The rule depends on the name alone, so adding problems never moves old ones.
@@ -25,6 +32,7 @@ import hashlib
 import json
 import keyword
 import os
+import secrets
 
 DATA_FILE = os.path.join(os.path.dirname(__file__), "data", "code_problems.json")
 FORMAT = 1
@@ -39,20 +47,124 @@ class ProblemSetError(ValueError):
     """A malformed problem file: the message names the file, the problem and the field."""
 
 
+ASSERT_FUNCTION = "__gyre_assert__"  # the judge's harness function appended to solution.py
+
+
 @dataclasses.dataclass(frozen=True)
 class CodeProblem:
-    """One problem. examples / tests: ((args, expected), ...) with args a tuple of JSON values."""
+    """One problem, of one of two kinds of test:
+
+    - ``kind == "call"`` (the project's format): examples / tests are ((args, expected), ...)
+      with args a tuple of JSON values; only the inputs enter the sandbox, the judge compares
+      the returned values outside it (gyre/envs/sandbox.py);
+    - ``kind == "assert"`` (published sets, gyre/envs/published.py): examples / tests are
+      Python sources, each one of the set's own asserts (with what it needs around it), run
+      inside the sandbox after ``setup`` against the program's names; a test passes when it
+      runs to the end, which the judge counts outside. The asserts themselves are in the
+      sandbox, so a program written to subvert them (an object equal to everything, a patched
+      builtin, forged result lines that read the run's token) can: this is the published
+      sets' own model of a test, weaker than the call tests' outside comparison.
+
+    ``key``: the problem's id in its set ('' = ``name``); ``origin``: where it came from (file,
+    line, the set's own id); ``split_name``: a split the set fixes ('' = the hash rule);
+    ``prompt``: a published set's own statement text (shown as is; '' = built from the fields).
+    """
 
     name: str
     signature: str
     description: str
-    examples: tuple[tuple[tuple, object], ...]
-    tests: tuple[tuple[tuple, object], ...]
+    examples: tuple
+    tests: tuple
     solution: str
+    kind: str = "call"
+    setup: str = ""
+    key: str = ""
+    origin: str = ""
+    split_name: str = ""
+    prompt: str = ""
+    shown: tuple = ()  # assert kind: the examples as the model reads them
 
     @property
     def split(self) -> str:
-        return split_of(self.name)
+        return self.split_name or split_of(self.key or self.name)
+
+    # ---- what the model reads --------------------------------------------------------------
+    def example_text(self, i: int) -> str:
+        """Example ``i`` as the prompt shows it."""
+        if self.kind == "assert":
+            return self.shown[i] if i < len(self.shown) else self.examples[i]
+        args, expected = self.examples[i]
+        return f"{_call(self.name, args)} == {expected!r}"
+
+    def statement(self, max_runs: int) -> str:
+        """The task's first user message."""
+        examples = "\n".join(self.example_text(i) for i in range(len(self.examples)))
+        if self.kind == "assert":
+            head = self.prompt or f"def {self.signature}:\n\n{self.description}"
+            shown = f"Examples:\n{examples}\n\n" if examples else ""
+            return (
+                f"Write this Python function in solution.py:\n\n{head.rstrip()}\n\n{shown}"
+                f"Hidden tests are asserts on {self.name} like these. You have at most "
+                f"{max_runs} test runs."
+            )
+        return (
+            f"Write this Python function in solution.py:\n\ndef {self.signature}:\n\n"
+            f"{self.description}\n\nExamples:\n{examples}\n\nHidden tests call it on other "
+            "inputs and compare the returned value exactly, type included (return lists, not "
+            f"tuples). You have at most {max_runs} test runs."
+        )
+
+    def failure_text(self, i: int, verdict: str, output) -> str:
+        """What the report says of failing example ``i`` (its verdict and returned value)."""
+        if self.kind == "assert":
+            what = (
+                "failed"
+                if verdict == "error:AssertionError"
+                else (
+                    f"raised {verdict[len('error:') :]}"
+                    if verdict.startswith("error:")
+                    else "failed"
+                )
+            )
+            return f"First failing example: {self.example_text(i)}  {what}."
+        args, expected = self.examples[i]
+        got = (f"raised {verdict[len('error:'):]}" if verdict.startswith("error:")
+               else f"returned {output!r}")  # fmt: skip
+        return f"First failing example: {_call(self.name, args)} {got}, expected {expected!r}."
+
+    # ---- what the sandbox runs -------------------------------------------------------------
+    def sandbox_call(self, source: str, tests) -> tuple[str, str, list]:
+        """(source, function, [(args, expected), ...]) for :func:`gyre.envs.sandbox.run_tests`.
+
+        Call tests go as they are. Assert tests: the judge's harness is appended to the
+        program (after it, so the program's names are the asserts' names) and test ``i`` is
+        the call ``__gyre_assert__(i, token)``, which runs ``setup`` and assert source ``i``
+        in a fresh copy of the program's globals and returns ``token``, a fresh random string
+        per run: a test passes when that token comes back, so printing a constant never does.
+        """
+        tests = list(tests)
+        if self.kind != "assert":
+            return source, self.name, tests
+        token = secrets.token_hex(16)
+        harness = ASSERT_HARNESS.format(fn=ASSERT_FUNCTION, setup=repr(self.setup),
+                                        tests=repr(tuple(tests)))  # fmt: skip
+        return (f"{source}\n{harness}", ASSERT_FUNCTION,
+                [((i, token), token) for i in range(len(tests))])  # fmt: skip
+
+
+ASSERT_HARNESS = """
+
+# ---- appended by the judge: runs the set's own asserts (gyre/envs/code_problems.py) ----
+def {fn}(__i, __token, __setup={setup}, __tests={tests}):
+    __ns = dict(globals())
+    exec(compile(__setup, "<setup>", "exec"), __ns)
+    exec(compile(__tests[__i], "<test %d>" % __i, "exec"), __ns)
+    return __token
+"""
+
+
+def _call(name: str, args: tuple) -> str:
+    return f"{name}({', '.join(map(repr, args))})"
 
 
 def split_of(name: str) -> str:
@@ -145,4 +257,4 @@ def split_names(problems: dict[str, CodeProblem], split: str) -> list[str]:
     """The sorted names of ``split`` ('train' or 'eval')."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return sorted(name for name in problems if split_of(name) == split)
+    return sorted(key for key, p in problems.items() if p.split == split)

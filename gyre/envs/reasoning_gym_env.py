@@ -7,12 +7,22 @@ the names), with optional per-name dataset settings. A task is one generated ent
 (name, seed, settings). Splits use disjoint seeds: 'train' draws seeds in [0, 2**31), 'eval'
 in [2**31, 2**32).
 
-No tools. The model's reply (thinking stripped) is its answer: the text inside the last
+No tools. The model's reply (thinking stripped) is its answer, extracted by one stated rule
+(:func:`extract_answer`; the system prompt says so): the text inside the last
 ``<answer>...</answer>`` pair (an unclosed ``<answer>`` takes the rest of the reply), else the
-last non-empty line, stripped (:func:`extract_answer`; the system prompt says so). The dataset's
-``score_answer`` grades it in [0, 1]; that fractional score is the execution's partial score
-(``TextEnvironment.score``). A score of exactly 1.0 ends in 'done', anything else in 'fail': one
-answer per task. A verifier that raises on the model's text scores 0 (recorded in the state).
+last non-empty line, stripped.
+
+Reward that ranks: the dataset's own ``score_answer`` judges the extracted answer, and only its
+verdict "right" (a score of exactly 1.0) counts: the task is 'done' with score 1; any other
+answer ends in 'fail' with score 0. reasoning-gym's verifiers also pay fractions that are not
+partial correctness: the default ``score_answer`` (basic_arithmetic, gcd, lcm, count_bits, ...,
+and chain_sum through its decimal fallback) pays len(oracle)/len(answer) whenever the oracle is
+a substring of the answer, so "740" for 74 would earn 0.67, more than the right answer in a
+sentence (0.13). Paying such fractions would rank a wrong answer above a right one, so a
+fraction is recorded (``ReasoningGymState.verifier_score``, for reading) and never paid: the
+family has no partial credit (no intermediate results to count), and a right answer (1.0) is
+always above any wrong one (0.0). A verifier that raises on the model's text scores 0 (recorded
+in the state). One answer per task.
 """
 
 from __future__ import annotations
@@ -60,6 +70,12 @@ def extract_answer(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def rank_score(verifier_score: float) -> float:
+    """What a verifier's score pays: 1.0 for its verdict "right" (exactly 1.0), else 0.0, so a
+    string-overlap fraction never lifts a wrong answer above a right one (module docstring)."""
+    return 1.0 if verifier_score == 1.0 else 0.0
+
+
 def _check_names(names: Sequence[str]) -> None:
     valid = dataset_names()
     unknown = [n for n in names if n not in valid]
@@ -88,7 +104,8 @@ class ReasoningGymState:
     dataset: Any  # the reasoning-gym dataset (its score_answer grades the entry)
     entry: dict  # 'question', 'answer', 'metadata'
     answer: str | None = None  # the extracted answer, once given
-    score_value: float | None = None
+    score_value: float | None = None  # what is paid: 1.0 for a right answer, else 0.0
+    verifier_score: float | None = None  # the verifier's own fraction, recorded, never paid
     score_error: str | None = None  # why the verifier failed on the answer, if it did
 
 
@@ -165,17 +182,18 @@ class ReasoningGymEnv(TextEnvironment):
             raw = float(state.dataset.score_answer(answer, state.entry))
         except Exception as exc:  # the verifier's own failure on odd text: no credit
             raw, state.score_error = 0.0, f"{type(exc).__name__}: {exc}"
-        score = min(1.0, max(0.0, raw)) if math.isfinite(raw) else 0.0
-        state.answer, state.score_value = answer, score
+        raw = min(1.0, max(0.0, raw)) if math.isfinite(raw) else 0.0
+        score = rank_score(raw)
+        state.answer, state.verifier_score, state.score_value = answer, raw, score
         kind = "done" if score == 1.0 else "fail"
-        return TextStep(kind, f"Answer {answer!r} graded {score:.3f}.")
+        return TextStep(kind, f"Answer {answer!r} graded {'right' if score else 'wrong'}.")
 
     # ---- judge ---------------------------------------------------------------------------
     def milestones(self, state: ReasoningGymState) -> tuple[int, int]:
         return int(state.score_value == 1.0), 1
 
     def score(self, state: ReasoningGymState) -> float | None:
-        """The verifier's fractional score of the answer; None before any answer."""
+        """1.0 for a right answer, 0.0 for any other; None before any answer."""
         return state.score_value
 
     def summary_text(self, state: ReasoningGymState) -> str:

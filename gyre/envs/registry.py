@@ -44,6 +44,8 @@ class EnvSpec:
     max_runs: int = 8  # code: test runs before the task counts as failed
     keep_thinking: bool = False  # chat: the environment sees the model's <think> text
     enable_thinking: bool = True  # chat: the template's enable_thinking (Qwen3 hybrid models)
+    problem_file: str = ""  # code: the problem set's file ("" = the shipped set)
+    problem_format: str = "auto"  # code: gyre, humaneval, mbpp or auto (gyre/envs/published.py)
 
     def __post_init__(self):
         bounds.check(self, "env", max_wrong="agent.max_retries")
@@ -63,7 +65,12 @@ def _code_bytes(spec: EnvSpec) -> CodeEnv:
 def _code(spec: EnvSpec) -> TextEnvironment:
     from gyre.envs.code_chat import CodeChatEnv
 
-    return CodeChatEnv(tool_timeout=spec.tool_timeout, max_runs=spec.max_runs)
+    return CodeChatEnv(
+        tool_timeout=spec.tool_timeout,
+        max_runs=spec.max_runs,
+        problem_file=spec.problem_file,
+        problem_format=spec.problem_format,
+    )
 
 
 def _reasoning_gym(spec: EnvSpec) -> TextEnvironment:
@@ -73,7 +80,15 @@ def _reasoning_gym(spec: EnvSpec) -> TextEnvironment:
 
 
 TOKEN_ENVIRONMENTS = {"ledger": _ledger, "code_bytes": _code_bytes}
-TEXT_ENVIRONMENTS = {"code": _code, "reasoning_gym": _reasoning_gym}
+
+
+def _template(spec: EnvSpec) -> TextEnvironment:
+    from gyre.envs.template import TemplateEnv  # the file to copy (README: add an environment)
+
+    return TemplateEnv(tool_timeout=spec.tool_timeout)
+
+
+TEXT_ENVIRONMENTS = {"code": _code, "reasoning_gym": _reasoning_gym, "template": _template}
 ENVIRONMENTS = TOKEN_ENVIRONMENTS | TEXT_ENVIRONMENTS
 
 

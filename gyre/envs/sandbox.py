@@ -4,13 +4,24 @@ What is enforced, and by what:
   - filesystem (bubblewrap mount namespace): the program sees a private root that holds only
     /usr (read-only; /lib, /lib64, /bin, /sbin as on the host: symlinks into /usr, or
     read-only binds), a fresh /proc (its own PID namespace only), a minimal /dev, a private
-    /tmp (tmpfs of ``tmp_bytes``), and its scratch directory, bound read-write at /sandbox
-    (its working directory). No /etc, /root, /home, project or host /tmp. The root and /dev
-    are remounted read-only, so /sandbox and /tmp are the only writable places;
-  - identity: the program runs as a uid of its own (``UID_BASE`` + a slot held with a lock
-    file for the run, so concurrent runs, in this process or others, never share one) with no
-    supplementary groups, in a new user namespace with every capability dropped and further
-    user namespaces disabled; the scratch directory is chowned to that uid;
+    /tmp (tmpfs of ``tmp_bytes``), and /sandbox, its working directory: a tmpfs of
+    ``scratch_bytes`` holding a read-only copy of solution.py. No /etc, /root, /home, project
+    or host /tmp, and no host directory it can write: the judge's directory (made empty by
+    the judge, or refused; solution.py written there without following links) is never
+    bound. The root and /dev are remounted read-only, so /sandbox and /tmp are the only
+    writable places;
+  - keys: the launcher joins a fresh session keyring after dropping privileges, so the
+    judge's keyring (inherited through exec) is out of reach, and the user keyrings belong to
+    the run's own user namespace: no key of the judge can be read or revoked, and none
+    planted outlives the run;
+  - identity: as root, the program runs as a uid of its own (``UID_BASE`` + a slot held with a
+    lock file for the run, so concurrent runs, in this process or others, never share one)
+    with no supplementary groups; without root, bubblewrap runs unprivileged through user
+    namespaces (where the kernel allows them) and the program keeps this user's uid, its
+    process count bounded inside its own user namespace (Linux >= 5.14 counts it there) and
+    nothing swept by uid (its PID namespace ends it); :func:`privileged` says which and the
+    first use logs it in one line. Either way it runs in a new user namespace with every
+    capability dropped and further user namespaces disabled;
   - namespaces: ``--unshare-all`` (user, PID, network, IPC, UTS, cgroup): no network
     interface but a private loopback, no host Unix sockets (no host path, and the abstract
     namespace is per network namespace), no view of or signals to host processes;
@@ -51,14 +62,19 @@ they hold before any untrusted code runs. The interpreter inside must live under
 project's own one usually is not reachable by the run's uid). A launcher or sandbox that
 cannot start raises OSError (an infrastructure error, not a verdict on the code); the runner
 prints a start line before any untrusted code runs, so the program cannot fake that.
-Availability: ``isolation_available()`` (on first use, then cached) checks for root (needed to
-switch uid), ``bwrap``, a Python under /usr and a reachable temporary directory, then runs a
+Availability: ``isolation_available()`` (on first use, then cached) checks for ``bwrap``, a
+Python under /usr and a reachable temporary directory, then runs a
 probe through the whole path, once more if it fails (a busy machine can fail one run); the
 reason it gives names each failure. Where it fails, ``require_isolation()`` (CodeEnv calls it
 when constructed) and ``run_tests`` raise SandboxUnavailable: nothing ever runs unconfined.
-Not enforced: memory is per process (RLIMIT_AS times the process limit bounds the total, no
-cgroup); disk use in /sandbox is bounded per file (RLIMIT_FSIZE) and by time, not in total;
-CPU is per process, so several processes can use several cores until the wall limit; a
+Totals: where this process sits in a cgroup with the memory and pids controllers (v1, or v2
+with both delegated below it), each run gets its own (``total_memory_bytes``, ``processes``;
+the launcher joins it before dropping privileges) and a run killed at that limit is reported
+``memory``; where not, memory is bounded per process only (RLIMIT_AS times the process
+limit), which :func:`totals` says in one line (logged once, with how the sandbox runs). Disk
+is bounded in total by the two tmpfs mounts (``scratch_bytes`` + ``tmp_bytes``, memory).
+Not enforced: CPU is per process, so several processes can use several cores until the wall
+limit; a
 program that catches SIGXCPU is killed by SIGKILL a second later and reported ``killed``;
 kernel bugs reachable from an unprivileged user namespace are out of scope (no seccomp filter).
 """
@@ -70,7 +86,9 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -80,6 +98,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+log = logging.getLogger(__name__)
 
 MARK = "@@gyre-sandbox@@ "
 LAUNCH_MARK = "@@gyre-launch-failed@@ "
@@ -94,26 +114,39 @@ _CHUNK = 65536
 _NAME = re.compile(rb"[A-Za-z_][A-Za-z0-9_.]{0,99}")
 _INDEX = re.compile(rb"[0-9]{1,9}")
 
+# keyctl(2)'s syscall number per machine (glibc has no wrapper); elsewhere the launcher fails.
+KEYCTL_NR = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 280, "s390x": 280}
+
 # Trusted, runs first as root: rlimits, then drop to the run's uid, then start bubblewrap and
 # reap everything until no child is left (as a child subreaper, so the sandbox's init, which
 # bwrap leaves behind, is reaped here and the run ends only once the sandbox is gone). SIGTERM
 # makes it kill bwrap (whose --die-with-parent takes the sandbox down) and go on reaping.
-# argv: cpu mem fsize nofile nproc uid program [args...]. Kept tiny: the address-space limit
-# already applies to it once set.
+# argv: cpu mem fsize nofile nproc uid cgroups program [args...] (uid -1: unprivileged, keep
+# this user's; cgroups: the run's cgroup.procs files joined by ",", or "-"). After dropping privileges it joins a fresh,
+# empty session keyring: the judge's (inherited through exec) is never reachable inside.
+# Kept tiny: the address-space limit already applies to it once set.
 LAUNCHER = rf"""
 import ctypes, os, resource as R, signal, sys
 try:
     cpu, mem, fsize, nofile, nproc, uid = map(int, sys.argv[1:7])
     parent, libc = os.getppid(), ctypes.CDLL(None, use_errno=True)
+    for procs in sys.argv[7].split(",") if sys.argv[7] != "-" else ():
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
     for res, lim in ((R.RLIMIT_CPU, (cpu, cpu + 1)), (R.RLIMIT_AS, (mem, mem)),
                      (R.RLIMIT_FSIZE, (fsize, fsize)), (R.RLIMIT_CORE, (0, 0)),
-                     (R.RLIMIT_NOFILE, (nofile, nofile)), (R.RLIMIT_NPROC, (nproc, nproc))):
+                     (R.RLIMIT_NOFILE, (nofile, nofile))):
         R.setrlimit(res, lim)
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups():
-        raise OSError("could not drop privileges")
+    if uid >= 0:  # root: the run's own uid, whose process count RLIMIT_NPROC bounds
+        R.setrlimit(R.RLIMIT_NPROC, (nproc, nproc))
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups():
+            raise OSError("could not drop privileges")
+    keyctl = {KEYCTL_NR}.get(os.uname().machine)
+    if keyctl is None or libc.syscall(keyctl, 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING
+        raise OSError(ctypes.get_errno(), "could not join a fresh session keyring")
     # After setuid, which clears the parent-death signal: die with the parent; be the reaper.
     if libc.prctl(1, signal.SIGKILL, 0, 0, 0) or libc.prctl(36, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "prctl failed")
@@ -128,7 +161,7 @@ try:
         except OSError:
             pass
     signal.signal(signal.SIGTERM, stop)
-    child = os.posix_spawn(sys.argv[7], sys.argv[7:], {{}})
+    child = os.posix_spawn(sys.argv[8], sys.argv[8:], {{}})
 except BaseException as exc:
     os.write(1, ("{LAUNCH_MARK}" + repr(exc) + "\n").encode())
     os._exit({LAUNCH_FAILED})
@@ -165,8 +198,11 @@ def emit(text):
         except BaseException:
             return
 
-FN, INPUTS = json.loads(sys.stdin.buffer.readline())
+FN, INPUTS, NPROC = json.loads(sys.stdin.buffer.readline())
 os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+if NPROC:  # unprivileged: the process count of this user namespace (Linux >= 5.14)
+    import resource
+    resource.setrlimit(resource.RLIMIT_NPROC, (NPROC, NPROC))
 emit("start")
 sys.path.insert(0, "{SANDBOX}")
 try:
@@ -205,6 +241,8 @@ class SandboxLimits:
     open_files: int = 64
     output_bytes: int = 2**20  # stdout + stderr, result lines included
     tmp_bytes: int = 16 * 2**20  # the private /tmp (tmpfs, memory)
+    scratch_bytes: int = 16 * 2**20  # /sandbox, its working directory (tmpfs, memory)
+    total_memory_bytes: int = 2**30  # every process of the run together (its cgroup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +308,7 @@ def _system_dirs() -> list[str]:
     return args
 
 
-def _command(workdir: str, uid: int, limits: SandboxLimits) -> list[str]:
+def _command(workdir: str, uid: int, limits: SandboxLimits, cgroups=()) -> list[str]:
     bwrap, python = _tools()
     if bwrap is None or python is None:
         raise SandboxUnavailable(f"no bwrap or no Python under /usr; {INSTALL_HINT}")
@@ -281,18 +319,27 @@ def _command(workdir: str, uid: int, limits: SandboxLimits) -> list[str]:
         "--setenv", "LANG", "C.UTF-8",
         *_system_dirs(), "--proc", "/proc", "--dev", "/dev",
         "--size", str(int(limits.tmp_bytes)), "--tmpfs", "/tmp",
-        "--bind", workdir, SANDBOX, "--chdir", SANDBOX,
+        "--size", str(int(limits.scratch_bytes)), "--tmpfs", SANDBOX,
+        "--ro-bind", os.path.join(workdir, "solution.py"), f"{SANDBOX}/solution.py",
+        "--chdir", SANDBOX,
         "--remount-ro", "/dev", "--remount-ro", "/",
         "--", python, "-I", "-S", "-B", "-c", RUNNER,
     ]  # fmt: skip
     rlimits = (max(1, int(limits.cpu_seconds)), limits.memory_bytes, limits.file_bytes,
                limits.open_files, limits.processes, uid)  # fmt: skip
     launcher = [sys.executable, "-I", "-S", "-B", "-c", LAUNCHER]
-    return [*launcher, *map(str, map(int, rlimits)), *sandbox]
+    return [*launcher, *map(str, map(int, rlimits)), ",".join(cgroups) or "-", *sandbox]
+
+
+def privileged() -> bool:
+    """Root: each run under its own uid. Else unprivileged bubblewrap (user namespaces): each
+    run as this user's uid, mapped in its own user namespace, its process count bounded in
+    that namespace, its processes ended by its PID namespace (nothing to sweep by uid)."""
+    return os.geteuid() == 0
 
 
 def _lock_dir() -> str:
-    path = os.path.join(tempfile.gettempdir(), "gyre-sandbox-uids")
+    path = os.path.join(tempfile.gettempdir(), f"gyre-sandbox-uids-{os.geteuid()}")
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
@@ -320,7 +367,10 @@ def _pids_of(uid: int) -> list[int]:
 
 def _acquire_uid() -> tuple[int, int]:
     """(uid, lock fd): a uid no other run (here or in another process) holds, with no process.
-    The lock is a flock on a per-uid file, released when the fd closes (or the process dies)."""
+    The lock is a flock on a per-uid file, released when the fd closes (or the process dies).
+    Unprivileged: (-1, a descriptor to close), every run keeping this user's uid."""
+    if not privileged():
+        return -1, os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     locks = _lock_dir()
     start = (os.getpid() * 64) % UID_POOL
     for k in range(UID_POOL):
@@ -340,7 +390,9 @@ def _acquire_uid() -> tuple[int, int]:
 
 def _sweep(uid: int) -> bool:
     """Kills what is left of the run's uid (a backstop: the PID namespace should have done it).
-    True when nothing is left."""
+    True when nothing is left (unprivileged, uid -1: the PID namespace alone ends the run)."""
+    if uid < 0:
+        return True
     pids = _pids_of(uid)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -348,18 +400,130 @@ def _sweep(uid: int) -> bool:
     return not pids
 
 
-def _prepare(workdir: str, uid: int, source: str) -> None:
+def _prepare(workdir: str, source: str) -> None:
+    """Writes solution.py into ``workdir``, which must be an empty directory (not a link):
+    nothing is followed, nothing already there is overwritten or chmod-ed. The program never
+    writes here (it gets a copy on a tmpfs), and the directory stays the judge's."""
     if not _reachable(os.path.dirname(os.path.realpath(workdir))):
         raise ValueError(f"the directories above {workdir} must be reachable by other users")
-    path = os.path.join(workdir, "solution.py")
-    with open(path, "w") as f:
-        f.write(source)
-    os.chmod(path, 0o644)
-    os.chown(workdir, uid, uid)
+    try:
+        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"sandbox_dir {workdir} is not a directory (a link?): {e}") from e
+    try:
+        if os.listdir(fd):
+            raise ValueError(f"sandbox_dir {workdir} is not empty: the judge writes only into "
+                             "a fresh directory")  # fmt: skip
+        os.fchmod(fd, 0o755)  # the run's uid reads solution.py through it
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open("solution.py", flags, 0o644, dir_fd=fd), "w") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(source)
+    finally:
+        os.close(fd)
 
 
-def _payload(function: str, tests) -> bytes:
-    return (json.dumps([function, [list(args) for args, _ in tests]]) + "\n").encode()
+CGROUP_ROOT = "/sys/fs/cgroup"
+_RUNS = itertools.count()  # names the cgroups of unprivileged runs (they share one uid)
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup per controller ('' for the unified v2 hierarchy)."""
+    out = {}
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+def _cgroup_dirs(name: str) -> list[tuple[str, dict[str, str]]]:
+    """Where a run's cgroup goes, with its limit files -> [(directory, {file: key})]: v1's
+    memory and pids hierarchies, else v2's unified one with both controllers enabled below
+    this process's cgroup."""
+    own = _own_cgroups()
+    if "memory" in own and "pids" in own:
+        return [(os.path.join(CGROUP_ROOT, "memory", own["memory"].lstrip("/"), name),
+                 {"memory.limit_in_bytes": "memory"}),
+                (os.path.join(CGROUP_ROOT, "pids", own["pids"].lstrip("/"), name),
+                 {"pids.max": "pids"})]  # fmt: skip
+    if "" in own:
+        base = os.path.join(CGROUP_ROOT, own[""].lstrip("/"))
+        with contextlib.suppress(OSError), open(os.path.join(base, "cgroup.subtree_control")) as f:
+            if {"memory", "pids"} <= set(f.read().split()):
+                return [(os.path.join(base, name), {"memory.max": "memory", "pids.max": "pids"})]
+    return []
+
+
+def _make_cgroup(uid: int, limits: SandboxLimits) -> tuple[list[str], str | None]:
+    """The run's cgroup (total memory, processes), made for ``uid`` -> (its cgroup.procs files
+    for the launcher to join, None) or ([], why there is none)."""
+    name = f"gyre-sandbox-{uid}" if uid >= 0 else f"gyre-sandbox-u{os.getpid()}-{next(_RUNS)}"
+    dirs = _cgroup_dirs(name)
+    if not dirs:
+        return [], "this process has no cgroup with the memory and pids controllers"
+    values = {"memory": limits.total_memory_bytes, "pids": limits.processes}
+    made = []
+    try:
+        for path, files in dirs:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+            made.append(path)
+            for name, key in files.items():
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(str(int(values[key])))
+    except OSError as e:
+        _remove_cgroup(made)
+        return [], f"cannot make a cgroup ({e.strerror or e}: {e.filename})"
+    return [os.path.join(p, "cgroup.procs") for p in made], None
+
+
+def _remove_cgroup(procs: list[str]) -> None:
+    """Removes the run's cgroup; the kernel may keep one busy a moment after its last process
+    is reaped, so each removal is retried for up to a second (a leftover is reused by the
+    next run of that uid)."""
+    for path in procs:
+        path = os.path.dirname(path) if path.endswith("cgroup.procs") else path
+        deadline = time.monotonic() + 1.0
+        while os.path.isdir(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+def _oom_killed(procs: list[str]) -> bool:
+    """Whether the run's cgroup hit its memory limit (v1: failcnt; v2: an oom_kill event)."""
+    for path in procs:
+        base = os.path.dirname(path)
+        with contextlib.suppress(OSError, ValueError):
+            if os.path.exists(os.path.join(base, "memory.failcnt")):
+                with open(os.path.join(base, "memory.failcnt")) as f:
+                    return int(f.read()) > 0
+            with open(os.path.join(base, "memory.events")) as f:
+                events = dict(line.split() for line in f if line.strip())
+                return int(events.get("oom_kill", 0)) > 0
+    return False
+
+
+@functools.cache
+def totals() -> str:
+    """One line: what bounds a run's totals here (a cgroup, or only per-process limits)."""
+    procs, why = _make_cgroup(UID_BASE + UID_POOL + os.geteuid(), SandboxLimits())
+    _remove_cgroup(procs)
+    if why is None:
+        return ("run totals: memory and processes of each run bounded by its own cgroup; "
+                "disk by its tmpfs scratch and /tmp")  # fmt: skip
+    return (f"run totals: {why}, so memory is bounded per process only (address space x "
+            "processes); disk by its tmpfs scratch and /tmp")  # fmt: skip
+
+
+def _payload(function: str, tests, limits: SandboxLimits, uid: int) -> bytes:
+    nproc = 0 if uid >= 0 else int(limits.processes)  # unprivileged: set inside, see RUNNER
+    return (json.dumps([function, [list(args) for args, _ in tests], nproc]) + "\n").encode()
 
 
 PROBE_TRIES = 2  # a probe run that fails is tried once more: a busy machine can fail one
@@ -371,8 +535,9 @@ def _probe_once(timeout: float) -> str | None:
     try:
         uid, lock = _acquire_uid()
         workdir = tempfile.mkdtemp(prefix="gyre-sbx-probe-")
-        _prepare(workdir, uid, "def f(x):\n    return x + 1\n")
-        r = subprocess.run(_command(workdir, uid, SandboxLimits()), input=_payload("f", tests),
+        _prepare(workdir, "def f(x):\n    return x + 1\n")
+        r = subprocess.run(_command(workdir, uid, SandboxLimits()),
+                           input=_payload("f", tests, SandboxLimits(), uid),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
                            start_new_session=True, cwd="/", env={})  # fmt: skip
         if not r.stdout.startswith(_START) or _judge(r.stdout[: 2**16], tests)[0] != ["pass"]:
@@ -393,8 +558,6 @@ def _probe_once(timeout: float) -> str | None:
 
 def _missing() -> str | None:
     """What this machine lacks for the sandbox (checked without running anything), or None."""
-    if os.geteuid() != 0:
-        return "the sandbox runs each program as its own uid, which needs root"
     bwrap, python = _tools()
     if bwrap is None:
         return "bubblewrap (bwrap) is not installed"
@@ -425,11 +588,21 @@ def isolation_available() -> tuple[bool, str]:
 
 
 def require_isolation() -> None:
-    """Raises SandboxUnavailable (one line, saying how to fix it) unless the sandbox works."""
+    """Raises SandboxUnavailable (one line, saying how to fix it) unless the sandbox works;
+    the first time it does, says in one line how it runs and what bounds a run's totals."""
     ok, reason = isolation_available()
     if not ok:
         reason = " ".join(reason.split())  # one line
         raise SandboxUnavailable(f"code task sandbox unavailable: {reason}; {INSTALL_HINT}")
+    _announce()
+
+
+@functools.cache
+def _announce() -> None:
+    how = ("bubblewrap started as root, each run as its own uid" if privileged() else
+           "bubblewrap unprivileged (user namespaces), each run as this user's uid")  # fmt: skip
+    log.warning("code sandbox: %s in a fresh user namespace and session keyring; %s", how,
+                totals())  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- judge
@@ -587,27 +760,29 @@ async def run_tests(source: str, function: str, tests, limits: SandboxLimits = S
 
     Raises SandboxUnavailable when bubblewrap cannot run here, OSError when the sandbox itself
     cannot start (an infrastructure error, never caused by the code).
-    sandbox_dir: use this (existing, empty) directory, reachable by other users, instead of a
-    temporary one; it is chowned to the run's uid.
+    sandbox_dir: write solution.py into this directory (existing, empty, not a link, reachable
+    by other users; else ValueError) instead of a temporary one; it stays the judge's, and
+    the program sees only a read-only copy of the file in its tmpfs scratch.
     """
     require_isolation()
     tests = list(tests)
     uid, lock = _acquire_uid()
     workdir = sandbox_dir or tempfile.mkdtemp(prefix="gyre-sbx-")
-    proc = None
+    proc, cgroup = None, []
     try:
-        _prepare(workdir, uid, source)
+        _prepare(workdir, source)
+        cgroup, _ = _make_cgroup(uid, limits)  # none: totals() said so once
         # No preexec_fn: the launcher applies the limits, so subprocess never forks this
         # (multithreaded) process; start_new_session makes the launcher a group leader.
         proc = await asyncio.create_subprocess_exec(
-            *_command(workdir, uid, limits), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            *_command(workdir, uid, limits, cgroup), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, cwd="/", env={},
         )  # fmt: skip
         buf, over = bytearray(), False
 
         async def feed():
             with contextlib.suppress(OSError):  # the runner may be gone already
-                proc.stdin.write(_payload(function, tests))
+                proc.stdin.write(_payload(function, tests, limits, uid))
                 await proc.stdin.drain()
             with contextlib.suppress(OSError):
                 proc.stdin.close()
@@ -630,13 +805,18 @@ async def run_tests(source: str, function: str, tests, limits: SandboxLimits = S
             timed_out = True
             _stop(proc)
         await _finish(proc, uid)
-        return _classify(proc.returncode, bytes(buf), tests, limits, timed_out, over, uid)
+        result = _classify(proc.returncode, bytes(buf), tests, limits, timed_out, over, uid)
+        if result.status == "killed" and _oom_killed(cgroup):
+            detail = f"killed at the run's total memory limit ({limits.total_memory_bytes} bytes)"
+            result = dataclasses.replace(result, status="memory", detail=detail)
+        return result
     finally:
         if proc is not None and proc.returncode is None:  # cancelled, or failed above
             _stop(proc)
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(_finish(proc, uid), 10)
         _sweep(uid)
+        _remove_cgroup(cgroup)
         os.close(lock)
         if sandbox_dir is None:
             shutil.rmtree(workdir, ignore_errors=True)

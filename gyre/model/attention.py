@@ -406,9 +406,49 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     (a finite score), and a block a shorter row cannot see scales its state by exp(0) = 1
     and adds exact zeros. A final block that would pass M is clamped in place and masks the
     entries it repeats."""
-    b, _, h, d = q.shape
     kvh, m = _cache_dims(q, k_cache, v_cache)
-    g, blk = h // kvh, min(block, m)
+    blk = min(block, m)
+
+    def read(i):
+        lo, start, j = _live_block(i, blk, m)
+        # only the block is cast, not the cache; K's positions are its last axis
+        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=3)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_cache, start, blk, axis=2)
+        return lo, j, k_blk, v_blk
+
+    if live is None:
+        live = live_length(pos_B, m)
+    return _decode_fold(q, k_new, v_new, pos_B, kvh, read, (live + blk - 1) // blk)
+
+
+def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, table_BxP, pos_B, live=None):
+    """:func:`live_decode_attention` over a paged KV cache: the same fold, a page a block.
+
+    k_pages[N,KVH,Dh,ps], v_pages[N,KVH,ps,Dh] (a slot cache's layouts with pages for
+    slots); table_BxP int: row b's pages in token order (entries past its pages: any index,
+    clamped, never visible). Block i of row b is page table[b, i] (a gather of one page per
+    row), so a step reads only the live pages of each row; the arithmetic is
+    :func:`live_decode_attention`'s with ``block`` = ps, bit for bit. -> out[B,1,H,Dh]."""
+    kvh, ps = _cache_dims(q, k_pages, v_pages)
+    m = table_BxP.shape[1] * ps
+
+    def read(i):
+        page_B = table_BxP[:, i]
+        k_blk = jnp.take(k_pages, page_B, axis=0, mode="clip")
+        v_blk = jnp.take(v_pages, page_B, axis=0, mode="clip")
+        return i * ps, i * ps + jnp.arange(ps), k_blk, v_blk
+
+    if live is None:
+        live = live_length(pos_B, m)
+    return _decode_fold(q, k_new, v_new, pos_B, kvh, read, (live + ps - 1) // ps)
+
+
+def _decode_fold(q, k_new, v_new, pos_B, kvh, read, n_blocks):
+    """The online softmax of one query per row over ``n_blocks`` blocks; ``read(i)`` -> (lo,
+    j int[N], K block [B,KVH,Dh,N], V block [B,KVH,N,Dh]): block i's nominal first index,
+    the cache indices it holds (entries j < lo are masked: a clamped block repeats them)."""
+    b, _, h, d = q.shape
+    g = h // kvh
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  (products in f32, as the dots')
     q_BxKxGxD = f32(q.reshape(b, kvh, g, d))
     if b == 1:  # multiply-and-sum, not dots: see _decode_attention on B = 1
@@ -434,18 +474,14 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     acc_BxKxGxD = jnp.broadcast_to(f32(v_new.reshape(b, kvh, 1, d)), (b, kvh, g, d))
 
     def fold(i, state):
-        lo, start, j = _live_block(i, blk, m)
+        lo, j, k_blk, v_blk = read(i)
         vis_BxN = (j[None, :] >= lo) & (j[None, :] < pos_B[:, None])
-        # only the block is cast, not the cache; K's positions are its last axis
-        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=3).astype(q.dtype)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_cache, start, blk, axis=2).astype(q.dtype)
+        k_blk, v_blk = k_blk.astype(q.dtype), v_blk.astype(q.dtype)
         s = jnp.where(vis_BxN[:, None, None, :], scores(k_blk) * scale, -jnp.inf)
         return _fold_block(state, s, lambda p: mix(p, v_blk))
 
-    if live is None:
-        live = live_length(pos_B, m)
     state = (m_BxKxG, l_BxKxG, acc_BxKxGxD)
-    _, l_BxKxG, acc_BxKxGxD = jax.lax.fori_loop(0, (live + blk - 1) // blk, fold, state)
+    _, l_BxKxG, acc_BxKxGxD = jax.lax.fori_loop(0, n_blocks, fold, state)
     out = acc_BxKxGxD / l_BxKxG[..., None]
     return out.reshape(b, 1, h, d).astype(q.dtype)
 
@@ -461,19 +497,51 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
     slot (no gather of its whole max_len row): the cost follows the row's context, not
     max_len. One row at a time, as the prefill program runs them, so the trip count is the
     row's own. -> out[1,T,H,Dh]."""
-    b, t, h, d = q.shape
-    if b != 1:
-        raise ValueError(f"live_prefill_attention takes one row, got {b}")
+    if q.shape[0] != 1:
+        raise ValueError(f"live_prefill_attention takes one row, got {q.shape[0]}")
     kvh, m = _cache_dims(q, k_cache, v_cache)
-    g, blk = h // kvh, min(block, m)
+    d, blk = q.shape[-1], min(block, m)
+
+    def read(i):
+        lo, start, j = _live_block(i, blk, m)
+        k_blk = jax.lax.dynamic_slice(k_cache, (slot, 0, 0, start), (1, kvh, d, blk))[0]
+        v_blk = jax.lax.dynamic_slice(v_cache, (slot, 0, start, 0), (1, kvh, blk, d))[0]
+        return lo, j, k_blk, v_blk
+
+    n_blocks = (jnp.minimum(kv_len_1[0], m) + blk - 1) // blk
+    return _prefill_fold(q, kvh, read, n_blocks, q_pos_1xT, kv_len_1)
+
+
+def paged_prefill_attention(q, k_pages, v_pages, table_P, q_pos_1xT, kv_len_1):
+    """:func:`live_prefill_attention` over a paged KV cache: block i is page ``table_P[i]``
+    of the row (k_pages[N,KVH,Dh,ps], v_pages[N,KVH,ps,Dh]; the chunk's own k/v already
+    written to its pages), the same fold with ``block`` = ps. -> out[1,T,H,Dh]."""
+    if q.shape[0] != 1:
+        raise ValueError(f"paged_prefill_attention takes one row, got {q.shape[0]}")
+    kvh, ps = _cache_dims(q, k_pages, v_pages)
+    m = table_P.shape[0] * ps
+
+    def read(i):
+        page = jnp.clip(table_P[i], 0, k_pages.shape[0] - 1)
+        k_blk = jax.lax.dynamic_index_in_dim(k_pages, page, axis=0, keepdims=False)
+        v_blk = jax.lax.dynamic_index_in_dim(v_pages, page, axis=0, keepdims=False)
+        return i * ps, i * ps + jnp.arange(ps), k_blk, v_blk
+
+    n_blocks = (jnp.minimum(kv_len_1[0], m) + ps - 1) // ps
+    return _prefill_fold(q, kvh, read, n_blocks, q_pos_1xT, kv_len_1)
+
+
+def _prefill_fold(q, kvh, read, n_blocks, q_pos_1xT, kv_len_1):
+    """The online softmax of one row's chunk over ``n_blocks`` blocks; ``read(i)`` -> (lo,
+    j int[N], K block [KVH,Dh,N], V block [KVH,N,Dh]) as in :func:`_decode_fold`."""
+    _, t, h, d = q.shape
+    g = h // kvh
     q_KxGxTxD = q[0].reshape(t, kvh, g, d).transpose(1, 2, 0, 3)
     scale = 1.0 / math.sqrt(d)
 
     def fold(i, state):
-        lo, start, j = _live_block(i, blk, m)
+        lo, j, k_blk, v_blk = read(i)
         vis_TxN = (j[None, :] >= lo) & (j[None, :] <= q_pos_1xT[0, :, None]) & (j < kv_len_1[0])
-        k_blk = jax.lax.dynamic_slice(k_cache, (slot, 0, 0, start), (1, kvh, d, blk))[0]
-        v_blk = jax.lax.dynamic_slice(v_cache, (slot, 0, start, 0), (1, kvh, blk, d))[0]
         k_blk, v_blk = k_blk.astype(q.dtype), v_blk.astype(q.dtype)
         s = jnp.einsum("kgtd,kdm->kgtm", q_KxGxTxD, k_blk, preferred_element_type=jnp.float32)
         s = jnp.where(vis_TxN, s * scale, -jnp.inf)
@@ -486,7 +554,6 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
         return _fold_block(state, s, mix)
 
     init = (jnp.full((kvh, g, t), -jnp.inf), jnp.zeros((kvh, g, t)), jnp.zeros((kvh, g, t, d)))
-    n_blocks = (jnp.minimum(kv_len_1[0], m) + blk - 1) // blk
     _, l_run, acc = jax.lax.fori_loop(0, n_blocks, fold, init)
     out_KxGxTxD = acc / l_run[..., None]
     return out_KxGxTxD.transpose(2, 0, 1, 3).reshape(1, t, h, d).astype(q.dtype)

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gyre import bounds
 from gyre import mesh as gmesh
@@ -138,6 +139,30 @@ def _finish_block(p, x, attn_BxTxHxDh, spec, dtype):
 # Activation dtypes a model may run in (parameters stay float32).
 DTYPES = ("float32", "bfloat16")
 
+# What a decoder block keeps for the backward pass (``train.remat``); everything else is
+# recomputed from the block's input there. 'none': everything (fastest, most memory);
+# 'full': only the block input (one [B, T, D] per layer; one more forward); 'dots_saveable':
+# every matmul output; 'dots_no_batch': matmuls with no batch dimension (the projections
+# and the MLP, not the attention's); 'save_qkv_attn': the q/k/v projections and the
+# attention output (the attention is not run again).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names("q", "k", "v", "attn_out"),
+}
+
+
+def remat_block(block, remat: str | bool):
+    """``block`` under the rematerialisation policy named ``remat`` (True = 'full')."""
+    name = ("full" if remat else "none") if isinstance(remat, bool) else remat
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"train.remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+    if name == "none":
+        return block
+    return jax.checkpoint(block, policy=REMAT_POLICIES[name])
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -156,9 +181,17 @@ class ModelSpec:
     dtype: str
     attention: str
     attn_block: int
+    # Ids at or past this are never sampled nor scored: their logits are masked out
+    # (:func:`mask_vocab`) in sampling and training alike, so the behaviour and trained
+    # distributions stay one. A checkpoint's vocabulary padded past its tokenizer (Qwen3:
+    # ids 151,669-151,935 of 151,936) sets it from the tokenizer; 0 = every id.
+    sample_vocab: int = 0
 
     def __post_init__(self):
         bounds.check(self, "model")
+        if not 0 <= self.sample_vocab <= self.vocab_size:
+            raise ValueError(f"model.sample_vocab must be in [0, vocab_size={self.vocab_size}], "
+                             f"got {self.sample_vocab}")  # fmt: skip
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_heads % self.num_kv_heads:
@@ -188,18 +221,22 @@ class Decoder(nnx.Module):
     def _layer_params(self):
         return {name: getattr(self.layers, name)[...] for name in LAYER_AXES}
 
-    def __call__(self, tokens_BxT, pos_BxT, leave_BxT, remat: bool = False):
-        """Tree forward -> final-normed hidden [B,T,D]. Query q sees key k iff k<=q<leave[k]."""
+    def __call__(self, tokens_BxT, pos_BxT, leave_BxT, remat: str | bool = "none"):
+        """Tree forward -> final-normed hidden [B,T,D]. Query q sees key k iff k<=q<leave[k].
+
+        ``remat``: a name in :data:`REMAT_POLICIES` (True = 'full', False = 'none'): what each
+        block keeps for the backward pass; the rest is recomputed there."""
         spec, dtype = self.spec, self.dtype
         x = self.embed[...].astype(dtype)[tokens_BxT]
 
         def block(x, p):
             q, k, v = _qkv(p, x, pos_BxT, spec, dtype)
+            q, k, v = (checkpoint_name(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
             out = attention.attend(q, k, v, leave_BxT, impl=spec.attention, block=spec.attn_block)
+            out = checkpoint_name(out, "attn_out")
             return _finish_block(p, x, out, spec, dtype), None
 
-        if remat:
-            block = jax.checkpoint(block)
+        block = remat_block(block, remat)
         x, _ = jax.lax.scan(block, x, self._layer_params())
         return rms_norm(x, self.final_norm[...], spec.rms_eps)
 
@@ -233,6 +270,26 @@ class Decoder(nnx.Module):
         return w
 
 
+def head_matrix(spec: ModelSpec, weights: dict):
+    """The output head as [V, D] float32 rows (the tied embedding, or lm_head transposed)."""
+    return weights["embed"] if spec.tie_embeddings else weights["lm_head"].T
+
+
+def mask_vocab(spec: ModelSpec, logits_NxV, ids_V=None):
+    """``logits`` with the ids at or past ``spec.sample_vocab`` set to :data:`MASKED` (a
+    no-op when it is 0). ``ids_V``: the vocabulary ids of the last axis (default 0..V-1)."""
+    if not spec.sample_vocab or spec.sample_vocab >= spec.vocab_size:
+        return logits_NxV
+    if ids_V is None:
+        ids_V = jnp.arange(logits_NxV.shape[-1])
+    return jnp.where(ids_V < spec.sample_vocab, logits_NxV, MASKED)
+
+
+# The logit of a masked id: exp underflows to 0 at any temperature, and it stays finite, so
+# 0 * logit terms (entropy) are 0, never NaN.
+MASKED = -1e9
+
+
 def serving_logical_axes(spec: ModelSpec) -> dict:
     """Logical axes of :func:`serving_weights`' pytree (tuples are leaves)."""
     axes = {"embed": ("vocab", "embed"), "final_norm": ("embed",),
@@ -247,8 +304,9 @@ def serving_logits(spec: ModelSpec, weights: dict, hidden_BxNxD):
     untied, 'lm_head') weights."""
     dtype = jnp.dtype(spec.dtype)
     w_DxV = weights["embed"].T if spec.tie_embeddings else weights["lm_head"]
-    return jnp.einsum("bnd,dv->bnv", hidden_BxNxD.astype(dtype), w_DxV.astype(dtype),
-                      preferred_element_type=jnp.float32)  # fmt: skip
+    logits = jnp.einsum("bnd,dv->bnv", hidden_BxNxD.astype(dtype), w_DxV.astype(dtype),
+                        preferred_element_type=jnp.float32)  # fmt: skip
+    return mask_vocab(spec, logits)
 
 
 def forward_serving(
@@ -351,7 +409,7 @@ def init_sharded(spec, seed: int, cell, role: str):
     return graphdef, init()
 
 
-def apply(graphdef, state, tokens_BxT, pos_BxT, leave_BxT, remat: bool = False):
+def apply(graphdef, state, tokens_BxT, pos_BxT, leave_BxT, remat: str | bool = "none"):
     """Pure forward for plain jax.jit: -> final-normed hidden [B,T,D]."""
     return nnx.merge(graphdef, state)(tokens_BxT, pos_BxT, leave_BxT, remat=remat)
 

@@ -130,14 +130,42 @@ def expected_shapes(spec: decoder.ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def hf_to_pure(tensors: dict[str, np.ndarray], spec) -> dict:
-    """HF tensor dict -> nested float32 numpy dict shaped like nnx.to_pure_dict(state)."""
+# Weights are stored as floats; an integer tensor of the right byte count would load as its
+# integer values, silently (bfloat16 comes from ml_dtypes, whose kind is not 'f').
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def hf_to_pure(tensors: dict[str, np.ndarray], spec, files: dict[str, str] | None = None) -> dict:
+    """HF tensor dict -> nested float32 numpy dict shaped like nnx.to_pure_dict(state).
+
+    ``files``: tensor name -> the file holding it, so that an error names both (a
+    CheckpointError; else the checkpoint)."""
+    pure: dict = {"layers": {}}
+    for path, value in pure_leaves(tensors, spec, files):
+        (pure["layers"] if path[0] == "layers" else pure)[path[-1]] = value
+    return pure
+
+
+def pure_leaves(tensors, spec, files: dict[str, str] | None = None):
+    """:func:`hf_to_pure`'s leaves one at a time: yields (path, float32 array), path
+    ('embed',) or ('layers', name), ...; ``tensors`` may be lazy (memory-mapped), so a caller
+    that places each leaf before taking the next holds one leaf in host memory, not all."""
+    from gyre.model.safetensors_io import fail
+
     d, h, kvh, dh = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    shapes = expected_shapes(spec)
 
     def get(name):
+        where = (files or {}).get(name, "checkpoint")
         if name not in tensors:
-            raise KeyError(f"checkpoint lacks tensor {name!r}")
-        return np.asarray(tensors[name], np.float32)
+            raise fail(where, f"lacks tensor {name}")
+        x = tensors[name]
+        if str(x.dtype) not in FLOAT_DTYPES:
+            raise fail(where, f"tensor {name} has dtype {x.dtype}, not one of {FLOAT_DTYPES}")
+        if tuple(x.shape) != shapes.get(name, tuple(x.shape)):
+            raise fail(where, f"tensor {name} has shape {list(x.shape)}, the config implies "
+                              f"{list(shapes[name])}")  # fmt: skip
+        return np.asarray(x, np.float32)
 
     layout = {  # HF [out, in] -> gyre kernel
         "q": lambda w: w.T.reshape(d, h, dh),
@@ -148,19 +176,19 @@ def hf_to_pure(tensors: dict[str, np.ndarray], spec) -> dict:
         "up": lambda w: w.T,
         "down": lambda w: w.T,
     }
-    layers = {}
     for ours, theirs in LAYER_NAMES.items():
         fix = layout.get(ours, lambda w: w)
-        per_layer = [fix(get(f"model.layers.{i}.{theirs}")) for i in range(spec.num_layers)]
-        layers[ours] = np.stack(per_layer)
-    pure = {
-        "embed": get("model.embed_tokens.weight"),
-        "layers": layers,
-        "final_norm": get("model.norm.weight"),
-    }
+        stacked = None
+        for i in range(spec.num_layers):  # filled layer by layer: no list of copies
+            w = fix(get(f"model.layers.{i}.{theirs}"))
+            if stacked is None:
+                stacked = np.empty((spec.num_layers, *w.shape), np.float32)
+            stacked[i] = w
+        yield ("layers", ours), stacked
+    yield ("embed",), get("model.embed_tokens.weight")
+    yield ("final_norm",), get("model.norm.weight")
     if not spec.tie_embeddings:
-        pure["lm_head"] = get("lm_head.weight").T
-    return pure
+        yield ("lm_head",), np.ascontiguousarray(get("lm_head.weight").T)
 
 
 def pure_to_hf(pure: dict, spec) -> dict[str, np.ndarray]:

@@ -47,7 +47,8 @@ class Checkpoint:
 def read(path, base: decoder.ModelSpec) -> Checkpoint:
     """Reads and cross-checks a local HF Qwen3 directory (weights: headers only).
 
-    ``base`` supplies the non-architecture fields (dtype, attention, attn_block). Raises
+    ``base`` supplies the non-architecture fields (dtype, attention, attn_block); a tokenizer
+    with fewer ids than the vocabulary sets ``sample_vocab`` (the rest are padding). Raises
     CheckpointError (one line: file, field, problem) on any missing or inconsistent file.
     """
     folder = os.fspath(path)
@@ -62,6 +63,8 @@ def read(path, base: decoder.ModelSpec) -> Checkpoint:
     text = None
     if tokenizer_files.has_tokenizer(folder):
         text = tokenizer_files.read(folder, spec.vocab_size)
+        if text.num_tokens < spec.vocab_size:  # padded ids: never sampled (ModelSpec)
+            spec = dataclasses.replace(spec, sample_vocab=text.num_tokens)
     _check_weights(folder, spec)
     return Checkpoint(folder, spec, text)
 
@@ -82,22 +85,52 @@ def _check_weights(folder: str, spec: decoder.ModelSpec) -> None:
 
 def load_params(ckpt: Checkpoint, cell=None, role: str = "train"):
     """The checkpoint's weights as the decoder's parameter state (float32, whatever the stored
-    dtype), placed on ``cell`` for ``role`` if given."""
+    dtype), placed on ``cell`` for ``role`` if given.
+
+    Streamed: the files are memory-mapped, and each parameter (a stacked layer tensor, the
+    embedding, ...) is converted to float32 on the host and placed on its devices before the
+    next is made, so the host holds one parameter's float32 copy at a time beside what is
+    placed (tests/test_hf_stream.py measures the peak)."""
     try:
-        tensors = safetensors_io.read_folder(ckpt.path)
+        tensors, files = safetensors_io.map_folder(ckpt.path)  # errors name the file
     except OSError as e:  # a file removed or unreadable since read()
         raise fail(os.path.join(ckpt.path, WEIGHTS), e) from e
     _, state = decoder.abstract_model(ckpt.spec)
-    nnx.replace_by_pure_dict(state, hf.hf_to_pure(tensors, ckpt.spec))
-    if cell is None:
-        return jax.device_put(state)
-    return jax.device_put(state, decoder.state_shardings(ckpt.spec, cell, role))
+    shardings = nnx.to_pure_dict(decoder.state_shardings(ckpt.spec, cell, role)) if cell else None
+    placed: dict = {"layers": {}}
+    try:
+        for path, value in hf.pure_leaves(tensors, ckpt.spec, files):
+            target = shardings
+            for key in path:
+                target = target[key] if target is not None else None
+            (placed["layers"] if path[0] == "layers" else placed)[path[-1]] = (
+                jax.device_put(value, target) if target is not None else jax.device_put(value)
+            )
+            del value
+    except OSError as e:  # a file cut short under the map
+        raise fail(os.path.join(ckpt.path, WEIGHTS), e) from e
+    del tensors
+    nnx.replace_by_pure_dict(state, placed)
+    return state
 
 
 def load(path, base: decoder.ModelSpec, cell=None, role: str = "train"):
     """:func:`read` then :func:`load_params` -> (spec, params, text or None)."""
     ckpt = read(path, base)
     return ckpt.spec, load_params(ckpt, cell, role), ckpt.text
+
+
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def source_dtype(source: Checkpoint | None) -> str:
+    """The dtype ``source``'s weights are stored in; float32 without a readable source."""
+    if source is None:
+        return "float32"
+    try:
+        return safetensors_io.stored_dtype(source.path)
+    except (CheckpointError, OSError):  # its folder gone since it was read
+        return "float32"
 
 
 def _saved_config(spec: decoder.ModelSpec, source: Checkpoint | None, dtype: str) -> dict:
@@ -121,19 +154,23 @@ def save(
     spec: decoder.ModelSpec,
     source: Checkpoint | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dtype: str = "float32",
+    dtype: str | None = None,
 ) -> str:
     """Writes ``params`` as a HF Qwen3 directory at ``path`` that transformers opens.
 
-    Weights in ``dtype`` ("float32": exact; "bfloat16": half the bytes), sharded with an index
+    Weights in ``dtype`` ("float32": exact; "bfloat16": half the bytes; None: the dtype the
+    ``source`` stores its weights in, so a bf16 checkpoint exports as bf16, and float32
+    without a source with weights), sharded with an index
     above ``max_shard_bytes``. With a ``source`` that has a tokenizer side, its files are
     copied (or written from its fields when its folder is gone); without one the directory
     holds weights only. The folder is built beside ``path`` and swapped in, so a crash never
     leaves a half-written checkpoint and stale shards never survive. ``path`` may be
     ``source.path``. Returns ``path``.
     """
-    if dtype not in decoder.DTYPES:
-        raise ValueError(f"save dtype {dtype!r}: expected one of {decoder.DTYPES}")
+    if dtype is None:
+        dtype = source_dtype(source)
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save dtype {dtype!r}: expected one of {SAVE_DTYPES}")
     text = source.text if source else None
     if text is not None and text.num_tokens > spec.vocab_size:
         raise ValueError(
@@ -147,7 +184,7 @@ def save(
     os.makedirs(tmp)
 
     pure = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), nnx.to_pure_dict(params))
-    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     tensors = {k: v.astype(np_dtype, copy=False) for k, v in hf.pure_to_hf(pure, spec).items()}
     del pure
     safetensors_io.write_json(os.path.join(tmp, CONFIG), _saved_config(spec, source, dtype))

@@ -80,6 +80,9 @@ def _header(path: str) -> tuple[dict, int]:
                 raise ValueError(f"entry {name!r} is malformed")
             if not all(isinstance(d, int) and d >= 0 for d in [*shape, *offsets]):
                 raise ValueError(f"entry {name!r} has a negative or non-integer size")
+            if offsets[1] > size - 8 - n:  # a file cut short: refused when read, not loaded
+                raise ValueError(f"tensor {name!r} ends at byte {offsets[1]} of data, past the "
+                                 f"file's {size - 8 - n} (truncated)")  # fmt: skip
     except UnicodeDecodeError as e:
         raise fail(path, f"header is not UTF-8 ({e.reason} at byte {e.start})") from e
     except json.JSONDecodeError as e:
@@ -164,6 +167,56 @@ def weight_files(folder: str) -> list[str]:
         if not os.path.isfile(os.path.join(folder, name)):
             raise fail(index_path, f"weight_map names {name!r}, which does not exist")
     return [os.path.join(folder, name) for name in files]
+
+
+def map_file(path: str) -> dict[str, np.ndarray]:
+    """All tensors of one file as read-only views of a memory map: nothing is read until a
+    tensor's values are used, and a tensor converted and dropped leaves no copy behind (the
+    page cache holds the file, not this process's heap). Entries are checked as
+    :func:`read_file` checks them: dtype, and offsets that match the shape inside the file."""
+    header, n = _header(path)
+    if not header:
+        return {}
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, entry in header.items():
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise fail(path, f"tensor {name} has dtype {entry['dtype']}, not one of "
+                             f"{tuple(_DTYPES)}")  # fmt: skip
+        start, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end - start != want or end > data.size:
+            raise fail(path, f"tensor {name} spans bytes [{start}, {end}) of {data.size}; its "
+                             f"shape {list(shape)} needs {want}")  # fmt: skip
+        out[name] = data[start:end].view(dtype).reshape(shape)
+    return out
+
+
+def map_folder(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor of a folder as :func:`map_file` views, and tensor name -> its file."""
+    tensors, files = {}, {}
+    for path in weight_files(folder):
+        mapped = map_file(path)
+        tensors.update(mapped)
+        files.update(dict.fromkeys(mapped, path))
+    return tensors, files
+
+
+def stored_dtype(folder: str) -> str:
+    """The dtype a folder's weights are stored in ('bfloat16', 'float32', 'float16'): that
+    of the embedding, else of the most bytes."""
+    kinds: dict[str, int] = {}
+    for path in weight_files(folder):
+        for name, entry in _header(path)[0].items():
+            kind = entry["dtype"]
+            if name == "model.embed_tokens.weight":
+                return str(np.dtype(_DTYPES.get(kind, np.float32)))
+            start, end = entry["data_offsets"]
+            kinds[kind] = kinds.get(kind, 0) + end - start
+    kind = max(kinds, key=kinds.get) if kinds else "F32"
+    return str(np.dtype(_DTYPES.get(kind, np.float32)))
 
 
 def read_folder(folder: str) -> dict[str, np.ndarray]:

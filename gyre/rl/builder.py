@@ -160,6 +160,8 @@ def _build(keys: ConfigKeys) -> Specs:
         rows_per_microbatch=rows,
         max_bad_steps=keys["train.max_bad_steps"],
         seed=seed,
+        remat=keys["train.remat"],
+        logits_chunk=keys["train.logits_chunk"],
     )
     trajectory = keys.pick(TrajectorySpec, "trajectory", vocab_size=model.vocab_size,
                            rows_per_microbatch=rows)  # fmt: skip
@@ -234,6 +236,16 @@ def _build(keys: ConfigKeys) -> Specs:
             keys["sft.dir"],
         ),  # fmt: skip
     )
+
+
+def check_memory(specs: Specs) -> None:
+    """Refuses (ConfigError, one line naming the largest term and the setting to change) a
+    run whose memory plan does not fit its devices (gyre/rl/memory_plan.py); checks nothing
+    where devices report no memory (CPU). Call after the devices are set up, before writing."""
+    from gyre.rl import memory_plan
+
+    if specs.cluster.backend == "local":
+        memory_plan.check(specs)
 
 
 def prepare(specs: Specs) -> None:
@@ -343,6 +355,10 @@ def chat_format(specs: Specs):
     from gyre.chat.format import ChatFormat
 
     ckpt = text_checkpoint(specs)
+    if ckpt is None and specs.init_dir:
+        raise ConfigError(f"config key 'model.hf_dir' ({specs.init_dir}): "
+                          f"{os.path.join(specs.init_dir, 'tokenizer.json')}: missing (the chat "
+                          f"task {specs.env.name!r} needs the checkpoint's tokenizer)")  # fmt: skip
     if ckpt is None:
         raise ConfigError(
             f"config key 'env.name' ({specs.env.name!r}) is a chat task: set model.hf_dir to a "

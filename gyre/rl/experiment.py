@@ -18,13 +18,24 @@ from gyre import plots, smoke
 from gyre.agent.driver import run_scripted_harness
 from gyre.cache import cache_dir
 from gyre.envs.registry import is_chat, make_env
-from gyre.errors import AlreadyFinished, Stopped
-from gyre.metrics import Heartbeat, MetricsWriter, eta, progress_line, read_metrics, write_json
+from gyre.errors import AlreadyFinished, ConfigError, Stopped
+from gyre.metrics import (
+    Heartbeat,
+    MetricsWriter,
+    RunClock,
+    all_infra_line,
+    clock,
+    eta,
+    progress_line,
+    read_metrics,
+    steady_seconds,
+    write_json,
+)
 from gyre.model import hf_dir
 from gyre.rl.builder import build_runtime, text_checkpoint
 from gyre.rl.controller import Controller
 from gyre.rl.progress import RoleTimeline, RunLedger
-from gyre.rl.report import rl_status, summary_table, where_line, where_now
+from gyre.rl.report import eval_table, rl_status, summary_table, where_line, where_now
 from gyre.rl.transcripts import write_step_transcripts
 from gyre.rl.warmstart import warm_start
 from gyre.rl.work import StepRecord, step_metrics
@@ -42,14 +53,18 @@ class StepRecorder:
     and the row of the step it re-runs, so no row is lost or written twice."""
 
     def __init__(self, rt, ctrl: Controller, ledger: RunLedger, writer: MetricsWriter, log,
-                 after=None):  # fmt: skip
+                 after=None, run_clock: RunClock | None = None):  # fmt: skip
         self.rt, self.ctrl, self.ledger, self.writer, self.log = rt, ctrl, ledger, writer, log
         self.after = after
+        self.run_clock = run_clock or RunClock(rt.specs.run.steps, rt.trainer.version)
         self.eval_outcomes = None  # per task, of the latest evaluation
         self.checkpoint_s = 0.0  # how long the latest checkpoint took (in the next row)
+        self.infra_steps = 0  # steps in a row whose every execution was an infrastructure error
 
     async def __call__(self, record: StepRecord) -> None:
         specs = self.rt.specs
+        self.run_clock.step_done(record.version)
+        ended = round(self.ctrl.timeline.now(), 3)  # roles.png's step ends
         metrics = step_metrics(record, specs.trajectory.reward)
         self.ledger.record_step(record.step, record.execution_ids, record.groups)
         # what the agent did, readable: the best, the worst and two more of the step
@@ -58,9 +73,12 @@ class StepRecorder:
         last = record.version == specs.run.steps
         if specs.eval.due(record.version, last):
             ev = specs.eval
+            self.run_clock.eval_started()
             metrics.update(await self.ctrl.evaluate(ev.tasks, ev.seed, ev.temperature))
+            metrics["eval_seconds"] = round(self.run_clock.eval_done(), 3)
             self.eval_outcomes = metrics.pop("eval_outcomes")
         del metrics["step"]  # rows count steps from 1: row s is the state after step s
+        metrics["timeline_s"] = ended
         metrics["last_checkpoint_seconds"] = self.checkpoint_s
         self.writer.write(record.version, metrics)
         if last or record.version % specs.run.checkpoint_every == 0 or stop_requested():
@@ -70,7 +88,16 @@ class StepRecorder:
         self.ctrl.timeline.save(self.rt.path("timeline.json"))
         if self.after is not None:
             self.after()
-        self.log(progress_line(record.version, specs.run.steps, metrics, PROGRESS_KEYS))
+        line = progress_line(record.version, specs.run.steps, metrics, PROGRESS_KEYS)
+        self.log(f"{line} | {self.run_clock.eta()}")
+        infra = all_infra_line(record.version, record.results)  # a step that trained nothing
+        self.infra_steps = self.infra_steps + 1 if infra else 0
+        if infra:
+            self.log(infra)
+            if self.infra_steps >= specs.trainer.max_bad_steps:
+                raise RuntimeError(f"{self.infra_steps} steps in a row ended every execution as "
+                                   f"an infrastructure error (train.max_bad_steps="
+                                   f"{specs.trainer.max_bad_steps}): {infra}")  # fmt: skip
 
 
 def run_warm_start(rt, log=print, on_step=None) -> tuple[object, dict]:
@@ -105,8 +132,9 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict,
         timeline.set_all("warmstart")
         progress = {"step": 0}
         total = specs.sft.steps
-        hb.status = lambda: (f"warm start step {progress['step']}/{total}, "
-                             f"{eta(hb.elapsed(), progress['step'], total)} (at most)")  # fmt: skip
+        hb.status = lambda: (f"warm start step {progress['step']}/{total} (before RL), "
+                             f"{eta(hb.elapsed(), progress['step'], total)} of the warm start "
+                             "at most")  # fmt: skip
         params, summary["warm_start"] = run_warm_start(
             rt, hb.say, lambda step, info: (beat(), progress.update(step=step))
         )
@@ -115,11 +143,23 @@ def _before_rl(rt, timeline: RoleTimeline, hb: Heartbeat, writer, summary: dict,
             writer.scalars("warmstart", row["step"], row)
     if specs.eval.tasks:
         timeline.set_all("eval")
-        hb.status = lambda: f"evaluating {specs.eval.tasks} held-out tasks before RL"
+        calls: list[float] = []  # when each model call of the evaluation returned
+        t0 = time.monotonic()
+        hb.status = lambda: (f"evaluation before RL: {specs.eval.tasks} held-out tasks, "
+                             f"{len(calls)} model calls, {clock(time.monotonic() - t0)} in "
+                             "(the serving programs compile here; the RL steps follow)")  # fmt: skip
         ev = specs.eval
+
+        def on_call() -> None:
+            beat()
+            calls.append(time.monotonic())
+
         summary["eval_start"] = rt.evaluate_now(rt.trainer.params, ev.tasks, ev.seed,
-                                                ev.temperature, on_call=beat)  # fmt: skip
+                                                ev.temperature, on_call=on_call)  # fmt: skip
         summary["eval_start_outcomes"] = summary["eval_start"].pop("eval_outcomes")
+        # what an evaluation takes once compiled (the ETA's estimate of the ones to come)
+        summary["eval_seconds"] = round(steady_seconds(calls, t0, time.monotonic()), 3)
+        summary["eval_calls"] = len(calls)
         hb.say("before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval_start"].items()))
 
 
@@ -151,8 +191,8 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
     if rt.resumed:
         ledger.truncate(rt.trainer.version)
     timeline = RoleTimeline.load(rt.path("timeline.json"), len(rt.cells))
-    summary: dict = {k: v for k, v in previous.items()
-                     if k in ("warm_start", "eval_start", "eval_start_outcomes")}  # fmt: skip
+    kept = ("warm_start", "eval_start", "eval_start_outcomes", "eval_seconds", "eval_calls")
+    summary: dict = {k: v for k, v in previous.items() if k in kept}
     summary.update(name=specs.name, scheduler=specs.run.scheduler_policy, cells=len(rt.cells),
                    eval_temperature=specs.eval.temperature)  # fmt: skip
 
@@ -176,26 +216,36 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
                 if "eval_start" in summary:
                     writer.scalars("", 0, summary["eval_start"])  # the curves' step 0
                 save_summary()
+            run_clock = RunClock(steps, rt.trainer.version, lambda v: specs.eval.due(v, v == steps),
+                                 summary.get("eval_seconds"),
+                                 eval_calls=summary.get("eval_calls", 0))  # fmt: skip
+
+            def on_progress() -> None:  # a model call, execution or micro-batch finished
+                watchdog.beat()
+                run_clock.tick()
+
             ctrl = Controller(rt, timeline=timeline, after_microbatch=after_microbatch,
-                              should_stop=stop_requested, on_progress=watchdog.beat)  # fmt: skip
+                              should_stop=stop_requested, on_progress=on_progress)  # fmt: skip
             if rt.resumed:  # carry-over: groups running at the kill run again
                 ctrl.rollouts.restart_untrained(rt.trainer.version, ledger.trained_groups())
             where["now"] = lambda: where_now(ctrl)
             watchdog.beat()  # what came before RL has finished: the controller's time starts now
-            recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary)
+            recorder = StepRecorder(rt, ctrl, ledger, writer, hb.say, save_summary, run_clock)
             rows = read_metrics(workdir)  # hand-over counts carry on from the earlier part
             ctrl.handovers.update({k[len("handover_"):]: v for k, v in (rows[-1] if rows else {})
                                    .items() if k.startswith("handover_")})  # fmt: skip
-            v0, t_rl = rt.trainer.version, time.monotonic()
-            hb.status = lambda: rl_status(ctrl, v0, time.monotonic() - t_rl)
+            run_clock.start()
+            hb.status = lambda: rl_status(ctrl, run_clock)
             with armed():
                 complete = asyncio.run(ctrl.run(recorder))
         finally:
             writer.close()
             rt.checkpointer.wait()
             timeline.save(rt.path("timeline.json"))
-    if complete and is_chat(specs.env.name):  # the trained policy, in the layout it came in
-        export_checkpoint(rt, rt.final_params())
+        if complete and is_chat(specs.env.name):  # the trained policy, in the layout it came in
+            hb.status = lambda: f"exporting the trained policy to {rt.path('hf')}"
+            hb.say(hb.status())
+            export_checkpoint(rt, rt.final_params())
     if not complete:
         raise Stopped(f"stopped on request after step {rt.trainer.version}/{steps}, "
                       f"checkpointed: relaunch the same command to continue {workdir}")  # fmt: skip
@@ -207,7 +257,7 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
         wall_seconds=round(previous.get("wall_seconds", 0.0) + time.time() - t0, 1),
         reward_first=rows[0]["reward"] if rows else None,
         reward_last=last.get("reward"),
-        eval_end={k: v for k, v in last.items() if k.startswith("eval_")},
+        eval_end={k: v for k, v in last.items() if k.startswith("eval_") and k != "eval_seconds"},
         eval_end_outcomes=recorder.eval_outcomes,
         switches=timeline.switches,
         handovers={k[len("handover_") :]: v for k, v in last.items() if k.startswith("handover_")},
@@ -216,15 +266,23 @@ def _rl(rt, t0: float, after_microbatch) -> dict:
     )
     if rt.cluster is not None:  # every cross-process move, and the pulls that made them
         summary["transfers"] = rt.cluster.transfer_stats()
-    # The policy loss is ~0 by construction at the start of an on-policy step (ratio 1,
-    # mean-centred advantages), so the curves show what moves: success, reward, evaluation,
-    # the policy's entropy and the gradient norm.
-    plots.learning_curves(rows, rt.path("learning_curves.png"),
-                          ("success", "reward", "eval_success", "eval_milestones", "entropy",
-                           "grad_norm"), start=summary.get("eval_start"))  # fmt: skip
-    plots.role_timeline(timeline.all_spans(), rt.path("roles.png"))
+    draw_pictures(rt.path(""), rows, summary, timeline.all_spans())
     print(summary_table(summary), flush=True)
     return summary
+
+
+def draw_pictures(workdir: str, rows: list[dict], summary: dict, spans) -> None:
+    """learning_curves.png and roles.png of a run (``spans``: its role time line)."""
+    name, steps = summary.get("name", "run"), len(rows)
+    plots.learning_curves(rows, os.path.join(workdir, "learning_curves.png"),
+                          start=summary.get("eval_start"),
+                          title=f"{name}: {steps} RL steps; training per step (mean ± SE over its "
+                          "executions), held-out evaluations as points ± SE")  # fmt: skip
+    ends = [(r["step"], r["timeline_s"]) for r in rows if "timeline_s" in r]
+    plots.role_timeline(spans, os.path.join(workdir, "roles.png"),
+                        title=f"{name}: what each cell did ({summary.get('scheduler', '?')} "
+                        f"scheduler, {summary.get('switches', 0)} role switches)",
+                        step_ends=ends)  # fmt: skip
 
 
 def export_checkpoint(rt, params) -> str:
@@ -250,11 +308,37 @@ def sft(specs, workdir: str) -> dict:
     return info
 
 
+class _Counting:
+    """An environment that counts its tool calls and its ended executions (for the status
+    line); everything else is the wrapped environment's."""
+
+    def __init__(self, env):
+        self.env, self.tool_calls, self.ended = env, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    async def step(self, state, call, role):
+        self.tool_calls += 1
+        return await self.env.step(state, call, role)
+
+    def judge(self, *args, **kwargs):
+        self.ended += 1
+        return self.env.judge(*args, **kwargs)
+
+
 def harness(specs, workdir: str) -> dict:
     """The scripted harness on the ledger task; figures to <workdir>/harness.json."""
     run = specs.run
-    summary = run_scripted_harness(make_env(specs.env), specs.agent, specs.seed,
-                                   run.tasks_per_step, run.samples_per_task)  # fmt: skip
+    env = _Counting(make_env(specs.env))
+    total = run.tasks_per_step * run.samples_per_task
+    status = lambda: (f"scripted harness on {specs.env.name} (K = {specs.env.num_ops}): "
+                      f"{env.ended}/{total} executions ended, {env.tool_calls} tool calls")  # fmt: skip
+    with Heartbeat(status=status) as hb:
+        hb.say(f"{specs.name}: {total} executions of scripted policies (no model); a status line "
+               "every 10 s")  # fmt: skip
+        summary = run_scripted_harness(env, specs.agent, specs.seed, run.tasks_per_step,
+                                       run.samples_per_task)  # fmt: skip
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "harness.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
@@ -263,4 +347,46 @@ def harness(specs, workdir: str) -> dict:
 
 def smoke_test(specs, workdir: str) -> dict:
     """Cells, a tiny model, one forward/backward, a role move (gyre/smoke.py)."""
-    return smoke.run(specs.mesh, specs.model, specs.seed, workdir)
+    now = {"phase": "starting"}
+    with Heartbeat(status=lambda: f"smoke: {now['phase']}") as hb:
+        hb.say(f"{specs.name}: cells, a tiny model, one forward/backward, a role move")
+
+        def phase(name: str) -> None:
+            now["phase"] = name
+            hb.say(f"smoke: {name}")
+
+        return smoke.run(specs.mesh, specs.model, specs.seed, workdir, phase)
+
+
+def evaluate(specs, workdir: str) -> dict:
+    """``launch.py --mode=eval``: the held-out evaluation of the latest checkpoint in
+    ``workdir`` (or, when it holds none, of ``model.hf_dir``: e.g. a run's exported hf/), with
+    the run's evaluation settings, printed as the end-of-run table (against the run's
+    evaluation before RL when the workdir has one). run.main writes it to <workdir>/eval.json."""
+    ev = specs.eval
+    if not ev.tasks:
+        raise ConfigError("config key 'eval.tasks' is 0: nothing to evaluate (set it, e.g. "
+                          "--config.eval.tasks=256)")  # fmt: skip
+    rt = build_runtime(specs, workdir)
+    try:
+        if rt.resumed:
+            what = f"the checkpoint after step {rt.trainer.version} in {rt.checkpointer.directory}"
+        else:
+            what = f"the weights in {specs.init_dir}" if specs.init_dir else "the initial weights"
+        calls, t0 = [0], time.monotonic()
+        status = lambda: (f"evaluating {what}: {ev.tasks} held-out tasks, {calls[0]} model "
+                          f"calls, {clock(time.monotonic() - t0)} in")  # fmt: skip
+        with Heartbeat(status=status) as hb:
+            hb.say(f"evaluating {what} on {ev.tasks} held-out tasks "
+                   f"({'greedy' if not ev.temperature else f'temperature {ev.temperature:g}'})")  # fmt: skip
+            result = rt.evaluate_now(rt.trainer.params, ev.tasks, ev.seed, ev.temperature,
+                                     on_call=lambda: calls.__setitem__(0, calls[0] + 1))  # fmt: skip
+    finally:
+        rt.close()
+    run = _read_json(rt.path("summary.json"))
+    summary = {k: v for k, v in run.items() if k in ("eval_start", "eval_start_outcomes")}
+    summary.update(name=specs.name, evaluated=what, version=rt.trainer.version,
+                   eval_temperature=ev.temperature, eval_end_outcomes=result.pop("eval_outcomes"),
+                   eval_end=result, wall_seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+    print(eval_table(summary), flush=True)
+    return summary

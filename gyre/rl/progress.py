@@ -8,7 +8,7 @@ import os
 import time
 
 from gyre.elastic import workload
-from gyre.metrics import write_json
+from gyre.metrics import write_atomic, write_json
 from gyre.rollout.engine import common_prefix
 
 
@@ -50,16 +50,16 @@ class RunLedger:
             if not os.path.exists(path):
                 continue
             with open(path) as f:
-                rows = [line for line in f if line.strip()]
+                old = f.read()
             kept = []
-            for line in rows:
+            for line in old.splitlines():
                 try:
                     if json.loads(line)["step"] < keep_below:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError):
+                        kept.append(line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
                     pass  # a line cut short by the kill
-            with open(path, "w") as f:
-                f.writelines(kept)
+            if "".join(kept) != old:
+                write_atomic(path, "".join(kept))  # a kill here leaves the old file whole
 
 
 class RoleTimeline:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from gyre.metrics import clock, eta, standard_error
+from gyre.metrics import RunClock, clock, standard_error
 
 
 def where_line(rt, workdir: str) -> str:
@@ -29,15 +29,35 @@ def where_now(ctrl) -> str:
             f"model requests, roles {ctrl.roles}")  # fmt: skip
 
 
-def rl_status(ctrl, first_version: int, elapsed: float) -> str:
-    """The live line of the RL loop: step, executions, micro-batches, roles, ETA."""
-    steps, v = ctrl.specs.run.steps, ctrl.trainer.version
+def rl_status(ctrl, rc: RunClock) -> str:
+    """The live line of the RL loop, naming its phase: the first step (no ETA until one step
+    has been measured), RL step k (counters of that step), or an evaluation after step k."""
+    steps = ctrl.specs.run.steps
+    if rc.eval_t0 is not None:
+        which = "final evaluation" if rc.done >= steps else "evaluation"
+        return (f"{which} after step {rc.done}/{steps}: {ctrl.specs.eval.tasks} held-out tasks, "
+                f"{clock(rc.clock() - rc.eval_t0)} in; {rc.eta()}")  # fmt: skip
     roles = {r: ctrl.roles.count(r) for r in ("rollout", "train") if r in ctrl.roles}
-    return (f"RL step {min(v + 1, steps)}/{steps}: {ctrl.rollouts.counters['finished']}/"
-            f"{ctrl.rollouts.counters['dispatched']} executions finished, "
-            f"{ctrl.trainer.microbatches_done} micro-batches trained, cells "
-            f"{', '.join(f'{k} {n}' for k, n in roles.items())}; "
-            f"{eta(elapsed, v - first_version, steps - first_version)}")  # fmt: skip
+    cells = ", ".join(f"{k} {n}" for k, n in roles.items())
+    works = [ctrl.steps[k] for k in sorted(ctrl.steps)]
+    per_step = ctrl.specs.run.executions_per_step
+    if works:
+        w = works[0]
+        trained, packed = len(w.grads), len(w.grads) + len(w.queue)
+        now = (f"this step: {len(w.results)}/{per_step} executions finished, {trained} of "
+               f"{packed} micro-batches packed so far trained")  # fmt: skip
+        for later in works[1:]:
+            now += f"; step {later.step + 1} rolling out: {len(later.results)}/{per_step}"
+    else:
+        now = "between steps"
+    k = min(rc.done + 1, steps)
+    if rc.step_seconds() is None:
+        head = (
+            f"RL step {k}/{steps} (the first in this process: compiles included; ETA once it ends)"
+        )
+        return f"{head}: {now}; cells {cells}"
+    return (f"RL step {k}/{steps}: {now}; cells {cells}; {rc.eta()} "
+            f"({clock(rc.step_seconds())} a step)")  # fmt: skip
 
 
 def _pct(x: float) -> str:
@@ -65,24 +85,44 @@ def change_line(name: str, start: dict, end: dict, key: str, outcomes=(None, Non
             f"(change {100 * (b - a):+.1f} ± {100 * se:.1f} points{z})")  # fmt: skip
 
 
-def summary_table(summary: dict) -> str:
-    """The short end-of-run table: held-out success and milestones before/after with their
-    standard errors, steps, switches, hand-overs, time."""
+def held_out_lines(summary: dict) -> list[str]:
+    """The table's held-out lines: success and milestones before -> after RL with their
+    standard errors (the after alone when there is no before), and how they were measured."""
     start, end = summary.get("eval_start", {}), summary.get("eval_end", {})
     n = end.get("eval_tasks", start.get("eval_tasks"))
-    lines = [f"== {summary.get('name', 'run')}: {summary.get('steps', 0)} RL steps, "
-             f"{summary.get('scheduler', '?')} scheduler =="]  # fmt: skip
+    lines = []
     for name, key in (("held-out success", "eval_success"),
                       ("held-out milestones", "eval_milestones")):  # fmt: skip
         outcomes = (summary.get("eval_start_outcomes"), summary.get("eval_end_outcomes"))
         line = change_line(name, start, end, key, outcomes)
         if line:
             lines.append(line)
+        elif key in end:
+            lines.append(f"{name:<20} {_pct(end[key])} ± {_pct(end.get(f'{key}_se', 0.0))}")
     temp = summary.get("eval_temperature", 0.0)
     how = "greedy" if not temp else f"sampled at temperature {temp:g}"
-    if n:
+    if n and start:
         lines.append(f"{'evaluation':<20} {how}, the same {n} held-out tasks before and after "
                      "RL (change SE from per-task differences)")  # fmt: skip
+    elif n:
+        lines.append(f"{'evaluation':<20} {how}, {n} held-out tasks")
+    return lines
+
+
+def eval_table(summary: dict) -> str:
+    """The table of ``launch.py --mode=eval``: what was evaluated, then the end-of-run table's
+    held-out lines (before RL: the run's own evaluation, from its summary.json)."""
+    return "\n".join([f"== {summary.get('name', 'run')}: evaluation of {summary.get('evaluated')} =="]
+                     + held_out_lines(summary)
+                     + [f"{'time':<20} {clock(summary.get('wall_seconds', 0))}"])  # fmt: skip
+
+
+def summary_table(summary: dict) -> str:
+    """The short end-of-run table: held-out success and milestones before/after with their
+    standard errors, steps, switches, hand-overs, time."""
+    lines = [f"== {summary.get('name', 'run')}: {summary.get('steps', 0)} RL steps, "
+             f"{summary.get('scheduler', '?')} scheduler =="]  # fmt: skip
+    lines += held_out_lines(summary)
     hand = summary.get("handovers", {})
     lines.append(f"{'role switches':<20} {summary.get('switches', 0)}; live requests handed over: "
                  + (", ".join(f"{k} {v}" for k, v in sorted(hand.items()) if v) or "none"))  # fmt: skip

@@ -123,7 +123,7 @@ class StepWork:
         with the run-level counters sampled then."""
         return StepRecord(self.step, version, self.version_at_dispatch,
                           time.time() - self.dispatched_at, self.results, self.reports, outcome,
-                          role_fractions, handovers, prefix_hit_rate, kv, self.groups,
+                          role_fractions, handovers, prefix_hit_rate, kv, sorted(self.groups),
                           self.carried_in)  # fmt: skip
 
     def close(self) -> list[Group]:

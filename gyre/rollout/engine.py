@@ -1,4 +1,4 @@
-"""Rollout engine: one per rollout cell, a slot KV cache, a KV token pool, continuous batching.
+"""Rollout engine: one per rollout cell, a slot or paged KV cache, a KV pool, continuous batching.
 
 The cache holds ``slots`` sequences of up to ``max_len`` tokens ({'k': L x [S, KVH, Dh, M],
 'v': L x [S, KVH, M, Dh]}, gyre.model.decoder.CACHE_AXES; slots over the cell's 'data' axis
@@ -33,12 +33,22 @@ fit waits (FIFO: in the engine's queue, or in the proxy, which submits only what
 ValueError at submission. An evicted execution that comes back prefills again what was
 lost (``reprefilled_tokens``).
 
-What the pool models and what it does not: memory is still allocated as ``slots`` x
-``max_len`` (fixed shapes, one compile); the budget is an accounting cap that admits and evicts
-the way a paged pool of that many tokens would, so a run can measure the effect of a smaller
-pool (evictions, re-prefill, admission waits) exactly and deterministically. It does not
-share prefix blocks between slots (a context reused by another execution is cut, not
-shared), nor fragment: a slot is one contiguous context.
+The accounting is :class:`gyre.kvpool.KVPool`'s (pages, page tables, reference
+counts, LRU order; slots are its keys), in whole pages. Two memories:
+
+- The slot layout (``rollout.kv_page`` 0): memory is allocated as ``slots`` x ``max_len``
+  (fixed shapes, one compile) and the pool counts a page per token, an accounting cap that
+  admits and evicts the way a paged pool of that many tokens would. A prefix another slot
+  serves is copied (``copy_slot``); a slot is one contiguous context.
+- Paged (``rollout.kv_page`` = N > 0): memory is the pool, ``num_pages`` pages of N tokens
+  ({'k': L x [N_pages, KVH, Dh, N], 'v': L x [N_pages, KVH, N, Dh]}, docs/sharding.md), its size
+  from ``kv_tokens`` or device memory (:func:`paged_pool_pages`), and slots bound only
+  concurrency. A live request holds the pages of its footprint from admission (so decode
+  never runs out of pages), an idle context the pages of its length. The prompt a slot shares
+  with another's resident context (the samples of one task, a retry that rewinds, another
+  execution's prefix) is shared by reference: the full pages, with the last partial page
+  copied (copy on write: a slot writes only pages it holds alone). Prefill and decode read
+  each slot's pages through its page table; export/import move a request's pages only.
 
 Weight updates keep in-flight requests: KV computed by an older version stays in the cache
 (standard practice); each completion token records the version whose logits sampled it.
@@ -56,7 +66,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from gyre import kvpool
 from gyre import mesh as gmesh
+from gyre.kvpool import KVPool
 from gyre.rollout.programs import (
     MAX_STOP_TOKENS,
     Programs,
@@ -79,8 +91,7 @@ def request_name(request: GenerateRequest) -> str:
 def footprint(request: GenerateRequest, max_len: int) -> int:
     """KV tokens a request's slot can come to hold: its prompt and every completion token but the
     last (which is returned, never fed back), with the completion capped so it fits ``max_len``."""
-    p = len(request.prompt)
-    return p + min(request.max_new_tokens, max_len - p) - 1
+    return kvpool.footprint(len(request.prompt), request.max_new_tokens, max_len)
 
 
 def kv_budget_tokens(
@@ -118,6 +129,38 @@ def pool_budget(kv_tokens: int, cache, weights, devices) -> int:
     weight_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(weights))
     per_device = kv_budget_tokens(min(limits), weight_bytes, KV_RESERVE * min(limits), per_token)
     return min(physical, per_device * (slots // shard[0]))
+
+
+def paged_pool_pages(r: RolloutSpec, cell: gmesh.Cell, devices=None) -> int:
+    """Pages of ``r.kv_page`` tokens in a paged cell's pool (a multiple of the cell's 'data'
+    size, the pages' shards, and at least one per shard).
+
+    ``r.kv_tokens`` > 0: that many tokens. 0: where every device reports its memory
+    (``memory_stats()['bytes_limit']``), the tokens that fit in the smallest device after its
+    shard of the rollout weights and ``KV_RESERVE`` of its memory, x the data shards; on CPU
+    (no memory figure) slots * max_len, the memory of the slot layout."""
+    from gyre.model import decoder as gdec
+
+    data = cell.mesh.shape["data"]
+    tokens = r.kv_tokens
+    if tokens <= 0:
+        devices = cell.devices if devices is None else devices
+        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+        if not limits or any(b is None for b in limits):
+            tokens = r.slots * r.max_len
+        else:
+            m = r.model
+            kvh = m.num_kv_heads // cell.mesh.shape["model"]
+            per_token = 2 * m.num_layers * kvh * m.head_dim * np.dtype(m.dtype).itemsize
+            _, abstract = gdec.abstract_model(m)
+            shardings = gdec.state_shardings(m, cell, "rollout")
+            weight_bytes = sum(
+                math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                for x, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
+            )
+            lim = min(limits)
+            tokens = kv_budget_tokens(lim, weight_bytes, KV_RESERVE * lim, per_token) * data
+    return max(data, tokens // r.kv_page // data * data)
 
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_len: int) -> np.ndarray:
@@ -177,7 +220,8 @@ class Live:
 class Slot:
     """Host view of one cache slot: the tokens whose K/V it holds at positions 0..length-1."""
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int, index: int = 0):
+        self.index = index  # its row in the programs' batch, its key in the KV pool
         self.buf = np.zeros(max_len, np.int32)  # preallocated: appending a token is O(1)
         self.length = 0
         self.live: Live | None = None
@@ -186,11 +230,6 @@ class Slot:
         # Leading tokens whose K/V the current weights computed (a source for other slots'
         # prompts only up to here: see Engine._share_prefixes).
         self.clean = 0
-
-    @property
-    def charge(self) -> int:
-        """Pool tokens: a live request's reservation, an idle context's cached length."""
-        return self.live.reserve if self.live is not None else self.length
 
     @property
     def held(self) -> np.ndarray:
@@ -243,12 +282,15 @@ class Engine:
         r = spec
         self.cell, self.vocab_size = cell, spec.model.vocab_size
         self.num_slots, self.max_len, self.chunk = r.slots, r.max_len, r.prefill_chunk
+        # Paged memory (rollout.kv_page > 0): a pool of pages that slots hold by page tables.
+        self.paged = r.kv_page > 0
+        num_pages = paged_pool_pages(r, cell) if self.paged else 0
         self.temperature = float(r.temperature)
         self.decode_steps = loop_steps(r)  # tokens per decode dispatch (auto resolved)
         # Called after each program with (kind, figures): 'prefill' {seconds, rows, tokens}
         # and 'decode' {seconds, rows, steps, context_tokens} (benchmarks, calibration).
         self.on_timing: Callable[[str, dict], None] | None = None
-        self.programs: Programs = programs_for(spec, cell)
+        self.programs: Programs = programs_for(spec, cell, num_pages)
         self.weights = self._serving(state)
         self.version = version
         self._rids = itertools.count()
@@ -261,16 +303,29 @@ class Engine:
         # Whether an execution's idle context is one to keep resident (the proxy's admission
         # ledger, gyre/rollout/proxy.py): such contexts are evicted or cut last. None: plain LRU.
         self.pinned: Callable[[str], bool] | None = None
-        self.cache = None
+        self.cache = self.kv = self.budget = None
         self.resume()
-        self.budget = pool_budget(r.kv_tokens, self.cache, self.weights, cell.devices)
+        if self.paged:
+            self.budget = num_pages * r.kv_page
+        else:
+            self.budget = pool_budget(r.kv_tokens, self.cache, self.weights, cell.devices)
+        self.kv = self._new_pool()
 
     # ------------------------------------------------------------------ lifecycle and weights
+
+    def _new_pool(self) -> KVPool:
+        """The pool's accounting: pages of ``kv_page`` tokens, or for the slot layout a page a
+        token (the same rule over ``budget`` tokens; the memory stays slots x max_len)."""
+        if self.paged:
+            return KVPool(self.programs.num_pages, self.programs.page_size)
+        return KVPool(self.budget, 1)
 
     def resume(self, state=None, version: int | None = None) -> None:
         """(Re)allocates an empty cache; optionally installs weights."""
         self.cache = self.programs.new_cache()
-        self.slots = [Slot(self.max_len) for _ in range(self.num_slots)]
+        self.slots = [Slot(self.max_len, i) for i in range(self.num_slots)]
+        self.kv = self._new_pool() if self.budget is not None else None
+        self._table_at = None  # (pool version, page tables) last sent to the device
         self.evicted.clear()
         if state is not None:
             self.set_weights(state, self.version if version is None else version)
@@ -284,18 +339,20 @@ class Engine:
         s = self.num_slots
         idle, zero = np.full(s, self.max_len, np.int32), np.zeros(s, np.int32)
         tokens = np.zeros((s, self.chunk), np.int32)
+        tab = self._tables()
         self.cache, _, _ = self.programs.prefill(
-            self.weights, self.cache, tokens, idle, zero, zero, *_identity([None] * s), s
+            self.weights, self.cache, tokens, idle, zero, zero, *_identity([None] * s), s, *tab
         )
         if self.decode_steps == 1:
             self.cache, _, _ = self.programs.decode(
-                self.weights, self.cache, zero, idle, *_identity([None] * s)
+                self.weights, self.cache, zero, idle, *_identity([None] * s), *tab
             )
         else:
             stops = np.full((s, MAX_STOP_TOKENS), -1, np.int32)
             self.cache, *_ = self.programs.decode_loop(
-                self.weights, self.cache, zero, idle, zero, stops, *_identity([None] * s), False
-            )
+                self.weights, self.cache, zero, idle, zero, stops, *_identity([None] * s), False,
+                *tab,
+            )  # fmt: skip
         self.cache = self.programs.copy_slot(self.cache, np.int32(0), np.int32(0))
 
     def suspend(self) -> None:
@@ -304,7 +361,7 @@ class Engine:
             raise RuntimeError(
                 f"cell {self.cell.index}: suspend with {self.num_live} live requests"
             )
-        self.cache, self.slots = None, []
+        self.cache, self.slots, self.kv = None, [], None
         self.evicted.clear()
 
     def set_weights(self, state, version: int) -> None:
@@ -316,10 +373,10 @@ class Engine:
         """
         self.weights = self._serving(state)
         self.version = int(version)
-        for slot in self.slots:
+        for i, slot in enumerate(self.slots):
             slot.clean = 0  # K/V in the cache is the old weights'
             if slot.live is None:
-                slot.rewind(0)
+                self._rewind(i, 0)
                 slot.owner = None
         self.evicted.clear()
 
@@ -341,13 +398,21 @@ class Engine:
 
     # ------------------------------------------------------------------ the KV pool
 
-    def _live_reserved(self) -> int:
-        return sum(s.live.reserve for s in self.slots if s.live is not None)
+    def _live_pages(self) -> int:
+        """Pages the live requests hold (each its reservation; a page shared counts once)."""
+        live = [s.index for s in self.slots if s.live is not None]
+        if not self.paged:  # nothing is shared by reference
+            return sum(len(self.kv.tables.get(i, ())) for i in live)
+        return len(self.kv.pages_of(live))
 
     def room(self) -> int:
         """Tokens a new request may still reserve: the budget less the reservations of live and
-        queued requests (idle contexts count as free: they are evicted on demand)."""
-        return self.budget - self._live_reserved() - sum(lv.reserve for lv in self.queue)
+        queued requests, in whole pages (idle contexts count as free: they are evicted on
+        demand)."""
+        if self.kv is None:  # suspended
+            return self.budget
+        queued = sum(self.kv.pages_for(lv.reserve) for lv in self.queue)
+        return (self.kv.num_pages - self._live_pages() - queued) * self.kv.page_size
 
     def can_admit(self, request: GenerateRequest) -> bool:
         """True when ``request`` submitted now is placed at the next step (a slot and room)."""
@@ -355,27 +420,53 @@ class Engine:
 
     def capacity_contexts(self) -> float:
         """Requests the pool holds at once at their recent size: min(slots, budget / mean
-        footprint of the last 4 x slots admissions on this cell); slots before any."""
+        footprint, in whole pages, of the last 4 x slots admissions on this cell); slots
+        before any."""
         if not self.recent:
             return float(self.num_slots)
         return min(float(self.num_slots), self.budget * len(self.recent) / sum(self.recent))
 
     def pool(self) -> dict:
-        """Current figures: budget, reserved (live reservations + idle lengths, <= budget),
-        resident tokens (cached lengths) and contexts (live slots + idle slots holding tokens),
-        queued requests, capacity_contexts."""
+        """Current figures: budget, reserved (the pool's used pages in tokens: live
+        reservations + idle contexts, a page shared counted once; <= budget), resident tokens
+        (cached lengths, a shared prefix counted per context) and contexts (live slots + idle
+        slots holding tokens), queued requests, capacity_contexts, and the pages: page_size,
+        pages, pages_used (the slot layout: a page a token, its memory stays slots x max_len)."""
         live = sum(s.live is not None for s in self.slots)
         idle = sum(s.live is None and s.length > 0 for s in self.slots)
+        kv = self.kv
         return {
             "budget_tokens": self.budget,
-            "reserved_tokens": sum(s.charge for s in self.slots),
+            "reserved_tokens": kv.footprint_tokens() if kv else 0,
             "resident_tokens": sum(s.length for s in self.slots),
             "resident_contexts": live + idle,
             "live_contexts": live,
             "idle_contexts": idle,
             "queued": len(self.queue),
             "capacity_contexts": self.capacity_contexts(),
+            "page_size": kv.page_size if kv else 0,
+            "pages": kv.num_pages if kv else 0,
+            "pages_used": kv.used_pages if kv else 0,
         }
+
+    def kv_bytes(self) -> int:
+        """Device bytes of K/V the pool's used pages hold (paged; the slot layout: its whole
+        cache, slots x max_len, whatever it holds)."""
+        if not self.paged:
+            return self.num_slots * self.programs.page_bytes
+        return self.kv.used_pages * self.programs.page_bytes
+
+    def _rewind(self, i: int, length: int) -> None:
+        """Slot ``i`` keeps its first ``length`` tokens; pages past them go back to the pool."""
+        self.slots[i].rewind(length)
+        self.kv.resize(i, length, length)
+
+    def _end(self, i: int) -> None:
+        """Slot ``i``'s request left: its reservation shrinks to its context, idle now."""
+        slot = self.slots[i]
+        slot.live, slot.last_used = None, next(self._clock)
+        self.kv.resize(i, slot.length, slot.length)
+        self.kv.touch(i, idle=True)
 
     def _evict(self, slot: Slot, keep: int = 0) -> None:
         """Drops an idle context past its first ``keep`` tokens, remembering what it held."""
@@ -386,25 +477,37 @@ class Engine:
                 self.evicted.popitem(last=False)
         self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += slot.length - keep
-        slot.rewind(keep)
+        self._rewind(slot.index, keep)
         slot.owner = None
 
     def _pinned(self, slot: Slot) -> bool:
         """Whether ``slot``'s idle context is one the proxy keeps resident (:attr:`pinned`)."""
         return self.pinned is not None and slot.owner is not None and self.pinned(slot.owner)
 
-    def _make_room(self, need: int, target: Slot) -> None:
-        """Evicts idle contexts but ``target``'s, least recently used first (pinned ones
-        last), until every other slot's charge plus ``need`` (``target``'s reservation) fits
-        the budget."""
-        used = need + sum(s.charge for s in self.slots if s is not target)
-        idle = [s for s in self.slots if s.live is None and s.length and s is not target]
-        for s in sorted(idle, key=lambda s: (self._pinned(s), s.last_used)):
-            if used <= self.budget:
-                break
-            used -= s.length
-            self._evict(s)
-        assert used <= self.budget, "admitted past the KV budget"
+    def _claim(self, i: int, keep: int, total: int) -> None:
+        """Slot ``i`` (idle, holding ``keep`` tokens) gets pages for ``total`` tokens, every
+        one it will write its own: idle contexts but its own are evicted, least recently used
+        first (pinned ones last, :meth:`KVPool.lru`), until the pool has the pages; a shared
+        last page is copied on write."""
+        self._copy_pages(self.kv.claim(i, keep, total, lambda j: self._evict(self.slots[j]),
+                                       pinned=lambda j: self._pinned(self.slots[j])))  # fmt: skip
+
+    def _copy_pages(self, copies) -> None:
+        for src, dst in copies:
+            self.cache = self.programs.copy_page(self.cache, np.int32(src), np.int32(dst))
+
+    def _tables(self) -> tuple:
+        """The programs' page-table argument: () for the slot layout; paged, (int32[S, P],)
+        each slot's pages, entries past them the page count (writes there are dropped)."""
+        if not self.paged:
+            return ()
+        if self._table_at is None or self._table_at[0] != self.kv.version:
+            table = np.full((self.num_slots, self.programs.table_pages), self.kv.num_pages,
+                            np.int32)  # fmt: skip
+            for i, pages in self.kv.tables.items():
+                table[i, : len(pages)] = pages
+            self._table_at = (self.kv.version, table)
+        return (self._table_at[1],)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -425,7 +528,7 @@ class Engine:
         temp = self.temperature if request.temperature is None else float(request.temperature)
         max_new = min(request.max_new_tokens, self.max_len - prompt.size)
         need = prompt.size + max_new - 1
-        if need > self.budget:
+        if need > self.budget:  # in whole pages: the budget is whole pages
             raise ValueError(
                 f"{request_name(request)}: needs {need} KV tokens (prompt {prompt.size} + "
                 f"{max_new} new - 1) but the KV pool of cell {self.cell.index} holds "
@@ -450,19 +553,27 @@ class Engine:
         if i is None:
             self.queue.remove(lv)
         else:
-            self.slots[i].live = None
-            self.slots[i].last_used = next(self._clock)
+            self._end(i)
         return lv
 
     def export(self, rid: int) -> SlotExport:
-        """Lifts a live request out with its KV rows (on this cell), length and sampler state."""
+        """Lifts a live request out with its KV rows (on this cell), length and sampler state.
+
+        Paged: the rows are the pages of its context, and only them ({'k': L x [n, KVH, Dh,
+        ps], 'v': L x [n, KVH, ps, Dh]}, n = its length in pages); the slot keeps its context
+        idle, as the slot layout does."""
         i, lv = self._find(rid)
         if i is None:
             self.queue.remove(lv)
             return SlotExport(lv, np.zeros(0, np.int32), None)
-        rows = self.programs.read_rows(self.cache, np.int32(i))
-        self.slots[i].live = None
-        return SlotExport(lv, self.slots[i].held.copy(), rows)
+        slot = self.slots[i]
+        if self.paged:
+            pages = self.kv.table(i)[: self.kv.pages_for(slot.length)]
+            rows = self.programs.read_pages(self.cache, np.asarray(pages, np.int32))
+        else:
+            rows = self.programs.read_rows(self.cache, np.int32(i))
+        self._end(i)
+        return SlotExport(lv, slot.held.copy(), rows)
 
     def import_(self, exp: SlotExport) -> None:
         """Installs an exported request into an idle slot (its rows cross with device_put).
@@ -482,13 +593,22 @@ class Engine:
         slot = self.slots[i]
         if slot.length and slot.owner != me:
             self._evict(slot)
-        slot.rewind(0)
-        self._make_room(lv.reserve, slot)
+        self._rewind(i, 0)
+        self._claim(i, 0, lv.reserve)
         rows = gmesh.move(exp.rows, self.programs.rows_sh)
-        self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
+        if self.paged:
+            n = rows["v"][0].shape[0]
+            if rows["v"][0].shape[2] != self.kv.page_size or n < self.kv.pages_for(exp.held.size):
+                raise ValueError(f"cell {self.cell.index}: imported rows are not "
+                                 f"{self.kv.page_size}-token pages of the request's context")  # fmt: skip
+            pages = np.asarray(self.kv.table(i)[:n], np.int32)
+            self.cache = self.programs.write_pages(self.cache, rows, pages)
+        else:
+            self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
         slot.write(0, exp.held)
         slot.clean = 0  # computed on another cell, maybe by other weights: never a source
         slot.live, slot.owner, slot.last_used = lv, me, next(self._clock)
+        self.kv.touch(i, idle=False)
         self.evicted.pop(me, None)
         self.stats["imported"] += 1
 
@@ -500,7 +620,8 @@ class Engine:
         only when the prompt extends all of it), then empty, then least recently used. Then
         idle contexts are evicted LRU until the pool fits (see the module docstring)."""
         idle = [i for i, s in enumerate(self.slots) if s.live is None]
-        if not idle or self._live_reserved() + lv.reserve > self.budget:
+        need = self.kv.pages_for(lv.reserve)
+        if not idle or self._live_pages() + need > self.kv.num_pages:
             return False
         me = lv.request.execution_id
         best, best_key, reuse = None, None, 0
@@ -514,17 +635,18 @@ class Engine:
         slot = self.slots[best]
         if slot.length > reuse and slot.owner != me:
             self._evict(slot, keep=reuse)  # another execution's context: cut to the shared prefix
-        slot.rewind(reuse)
-        self._make_room(lv.reserve, slot)
+        self._rewind(best, reuse)
+        self._claim(best, reuse, lv.reserve)
         record = self.evicted.pop(me, None)
         if record is not None:
             lost = min(common_prefix(lv.prompt, record), lv.prompt.size - 1)
             self.stats["reprefilled_tokens"] += max(0, lost - reuse)
         slot.live, slot.owner, slot.last_used = lv, me, next(self._clock)
+        self.kv.touch(best, idle=False)
         self.stats["prompt_tokens"] += lv.prompt.size
         self.stats["reused_tokens"] += reuse
         self.stats["admitted"] += 1
-        self.recent.append(lv.reserve)
+        self.recent.append(need * self.kv.page_size)
         if self.on_admit is not None:
             self.on_admit(lv.rid)
         return True
@@ -542,8 +664,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             done.append((lv.rid, lv.response(reason)))
-            slot.live = None
-            slot.last_used = next(self._clock)
+            self._end(slot.index)
 
     # ------------------------------------------------------------------ prefill
 
@@ -571,7 +692,10 @@ class Engine:
             slot = self.slots[i]
             src, n = self._source(i)
             if n > slot.length:
-                self.cache = self.programs.copy_slot(self.cache, np.int32(src), np.int32(i))
+                if self.paged:  # full pages by reference, the last partial one copied
+                    self._copy_pages(self.kv.share(src, i, n))
+                else:
+                    self.cache = self.programs.copy_slot(self.cache, np.int32(src), np.int32(i))
                 self.stats["shared_tokens"] += n - slot.length
                 self.stats["reused_tokens"] += n - slot.length
                 slot.write(0, slot.live.prompt[:n])
@@ -608,6 +732,7 @@ class Engine:
             last_B,
             *_identity(lives),
             len(rows),
+            *self._tables(),
         )
         self.stats["prefill_chunks"] += len(rows)
         self.stats["prefill_calls"] += 1
@@ -652,7 +777,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.decode_steps == 1:
             self.cache, tok_S, lp_S = self.programs.decode(
-                self.weights, self.cache, tokens_S, start_S, *_identity(lives)
+                self.weights, self.cache, tokens_S, start_S, *_identity(lives), *self._tables()
             )
             tok_NxS, lp_NxS, steps = np.asarray(tok_S)[None], np.asarray(lp_S)[None], 1
         else:
@@ -664,7 +789,7 @@ class Engine:
                 stop_SxK[i, : len(lv.request.stop_tokens)] = lv.request.stop_tokens
             self.cache, tok_NxS, lp_NxS, steps = self.programs.decode_loop(
                 self.weights, self.cache, tokens_S, start_S, left_S, stop_SxK,
-                *_identity(lives), bool(self.queue),
+                *_identity(lives), bool(self.queue), *self._tables(),
             )  # fmt: skip
             tok_NxS, lp_NxS, steps = np.asarray(tok_NxS), np.asarray(lp_NxS), int(steps)
         if self.on_timing is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gyre import bounds
 from gyre import mesh as gmesh
+from gyre.model import attention
 from gyre.model import decoder as gdec
 from gyre.rollout import sampler
 from gyre.rollout.types import ADMISSIONS, CPU_VECTOR_WIDTHS
@@ -55,9 +57,20 @@ class RolloutSpec:
     # Attention reads the KV cache in blocks of this many entries up to the live context
     # (:func:`kv_blocks`): -1 auto, 0 dense over all max_len entries.
     kv_block: int = -1
+    # The KV cache's memory (gyre/rollout/engine.py): 0 = slots x max_len (each slot one
+    # contiguous row, as before paging); N > 0 = a pool of pages of N tokens that slots hold
+    # through page tables (gyre/kvpool.py): the pool's size is kv_tokens (or device
+    # memory), not slots x max_len, prompts are shared by reference, and attention reads each
+    # slot's live pages (blocks of N: kv_block does not apply). max_len must be a multiple of N.
+    kv_page: int = bounds.knob(0, bounds.Bound(0))
 
     def __post_init__(self):
         bounds.check(self, "rollout")
+        if self.kv_page and self.max_len % self.kv_page:
+            raise ValueError(
+                f"rollout.max_len ({self.max_len}) must be a multiple of rollout.kv_page "
+                f"({self.kv_page})"
+            )
         if self.decode_steps == 0:
             raise ValueError(
                 f"rollout.decode_steps must be -1 (auto) or >= 1, got {self.decode_steps}"
@@ -144,15 +157,70 @@ def kv_blocks(r: RolloutSpec) -> tuple[int, int]:
 MAX_STOP_TOKENS = 8
 
 
-class Programs:
-    """The jit programs of one cell (one compile per cell; every shape is fixed)."""
+def forward_paged(spec: gdec.ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, table_BxP,
+                  start_B):  # fmt: skip
+    """:func:`gyre.model.decoder.forward_serving` over a paged cache: row b's tokens are
+    written to and read from the pages ``table_BxP[b]`` names (token i in page i // ps at
+    offset i % ps; entries past a row's pages hold the page count, so writes there are
+    dropped). ``cache``: {'k': L x [N, KVH, Dh, ps], 'v': L x [N, KVH, ps, Dh]} (the slot
+    cache's layouts with pages for slots). Decode (T = 1, a row per slot) and one prefill row
+    (B = 1) attend over the row's live pages (:func:`attention.paged_decode_attention`,
+    :func:`attention.paged_prefill_attention`); rows at start >= max_len write nowhere.
+    -> (hidden [B,T,D], new cache)."""
+    dtype = jnp.dtype(spec.dtype)
+    b, t = tokens_BxT.shape
+    ks, vs = list(cache["k"]), list(cache["v"])
+    n_pages, ps = vs[0].shape[0], vs[0].shape[2]
+    pages = table_BxP.shape[1]
+    idx_BxT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
+    entry_BxT = jnp.take_along_axis(table_BxP, jnp.minimum(idx_BxT // ps, pages - 1), axis=1)
+    page_BxT = jnp.where(idx_BxT < pages * ps, entry_BxT, n_pages)  # n_pages: dropped
+    off_BxT = idx_BxT % ps
+    live = attention.live_length(start_B, pages * ps) if t == 1 else None
+    x = weights["embed"].astype(dtype)[tokens_BxT]
+    for i, p in enumerate(weights["layers"]):
+        q, k, v = gdec._qkv(p, x, pos_BxT, spec, dtype)
+        # K page [KVH, Dh, ps] at (page, :, :, off), V page [KVH, ps, Dh] at (page, :, off):
+        # both indexed views are [B, T, KVH, Dh]
+        ks[i] = ks[i].at[page_BxT, :, :, off_BxT].set(k.astype(ks[i].dtype), mode="drop")
+        vs[i] = vs[i].at[page_BxT, :, off_BxT].set(v.astype(vs[i].dtype), mode="drop")
+        if t == 1:
+            k_own, v_own = (a.astype(ks[i].dtype).astype(dtype) for a in (k, v))  # as stored
+            out = attention.paged_decode_attention(
+                q, k_own, v_own, ks[i], vs[i], table_BxP, start_B, live
+            )
+        else:
+            if b != 1:
+                raise ValueError(f"a paged prefill runs one row at a time, got {b}")
+            out = attention.paged_prefill_attention(
+                q, ks[i], vs[i], table_BxP[0], idx_BxT, start_B + t
+            )
+        x = gdec._finish_block(p, x, out, spec, dtype)
+    x = gdec.rms_norm(x, weights["final_norm"], spec.rms_eps)
+    return x, {"k": tuple(ks), "v": tuple(vs)}
 
-    def __init__(self, r: RolloutSpec, cell: gmesh.Cell):
+
+class Programs:
+    """The jit programs of one cell (one compile per cell; every shape is fixed).
+
+    ``num_pages`` > 0 (``r.kv_page`` > 0): the cache is a page pool, {'k': L x [N, KVH, Dh,
+    ps], 'v': L x [N, KVH, ps, Dh]} (pages over the cell's 'data' axis like slots, kv heads
+    over 'model'), and prefill and decode take the slots' page tables, int32[S, max_len / ps],
+    as their last argument (a table is data: changing it compiles nothing)."""
+
+    def __init__(self, r: RolloutSpec, cell: gmesh.Cell, num_pages: int = 0):
         spec = r.model
         self.graphdef, abstract_state = gdec.abstract_model(spec)
         s, m, c = r.slots, r.max_len, r.prefill_chunk
         n_layers = spec.num_layers
-        shapes = gdec.cache_shapes(s, spec.num_kv_heads, m, spec.head_dim)  # {'k','v'}: a layer's
+        self.paged = paged = num_pages > 0
+        if paged and not r.kv_page:
+            raise ValueError("a paged cache needs rollout.kv_page > 0")
+        self.num_pages, self.page_size = num_pages, r.kv_page if paged else m
+        self.table_pages = m // r.kv_page if paged else 1
+        # {'k','v'}: a layer's cache shape (pages of ps tokens for slots of max_len when paged)
+        shapes = (gdec.cache_shapes(num_pages, spec.num_kv_heads, r.kv_page, spec.head_dim)
+                  if paged else gdec.cache_shapes(s, spec.num_kv_heads, m, spec.head_dim))  # fmt: skip
         abstract_cache = {
             k: (jax.ShapeDtypeStruct(shapes[k], spec.dtype),) * n_layers for k in "kv"
         }
@@ -166,6 +234,10 @@ class Programs:
         self.cache_sh = gmesh.tree_shardings(
             cell, "rollout", gdec.cache_logical_axes(n_layers), abstract_cache
         )
+        # one page's (or slot's) bytes on the cell, K and V of every layer
+        self.page_bytes = 2 * sum(
+            math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in abstract_cache["v"]
+        )
         # one slot's rows: the cache's layout with the slot axis kept whole (None)
         self.rows_sh = {
             k: (gmesh.sharding_for(cell, "rollout", (None, *gdec.CACHE_AXES[k][1:])),) * n_layers
@@ -178,11 +250,20 @@ class Programs:
         top_p = float(r.top_p)
         prefill_block, decode_block = kv_blocks(r)  # 0: dense attention over max_len
 
+        def forward(weights, tokens_BxT, pos_BxT, cache, slot_B, start_B, block, tab):
+            """The serving forward; ``tab``: () for slots, (page tables int32[S, P],) paged."""
+            if not paged:
+                return gdec.forward_serving(
+                    spec, weights, tokens_BxT, pos_BxT, cache, slot_B, start_B, block
+                )
+            table = tab[0] if slot_B is None else tab[0][slot_B]
+            return forward_paged(spec, weights, tokens_BxT, pos_BxT, cache, table, start_B)
+
         def prefill_row(weights, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1,
-                        temp_1):  # fmt: skip
+                        temp_1, *tab):  # fmt: skip
             pos_1xC = start_1[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-            hidden, cache = gdec.forward_serving(
-                spec, weights, tokens_1xC, pos_1xC, cache, slot_1, start_1, prefill_block
+            hidden, cache = forward(
+                weights, tokens_1xC, pos_1xC, cache, slot_1, start_1, prefill_block, tab
             )
             h_1x1xD = jnp.take_along_axis(hidden, last_1[:, None, None], axis=1)
             logits_1xV = gdec.serving_logits(spec, weights, h_1x1xD)[:, 0]
@@ -190,7 +271,7 @@ class Programs:
             return (cache, *sampler.sample(logits_1xV, keys, temp_1, top_p))
 
         def prefill(weights, cache, tokens_SxC, start_S, slot_S, last_S, hash_S, call_S, temp_S,
-                    rows):  # fmt: skip
+                    rows, *tab):  # fmt: skip
             """One chunk for each of the first ``rows`` rows (a slot each), in one dispatch.
 
             Rows run one after another at the shape of one (a loop on the device), so a
@@ -203,7 +284,7 @@ class Programs:
                 row = lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1)  # noqa: E731
                 cache, tok_1, lp_1 = prefill_row(
                     weights, cache, row(tokens_SxC), row(start_S), row(slot_S), row(last_S),
-                    row(hash_S), row(call_S), row(temp_S),
+                    row(hash_S), row(call_S), row(temp_S), *tab,
                 )  # fmt: skip
                 tok_S = jax.lax.dynamic_update_slice_in_dim(tok_S, tok_1, i, 0)
                 lp_S = jax.lax.dynamic_update_slice_in_dim(lp_S, lp_1, i, 0)
@@ -213,18 +294,12 @@ class Programs:
             _, cache, tok_S, lp_S = jax.lax.while_loop(lambda c: c[0] < rows, body, init)
             return cache, tok_S, lp_S
 
-        def decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S):
+        def decode_step(weights, cache, tokens_S, start_S, hash_S, call_S, temp_S, *tab):
             """One token for every slot; rows with start >= max_len write nowhere."""
-            hidden, cache = gdec.forward_serving(
-                spec,
-                weights,
-                tokens_S[:, None],
-                start_S[:, None],
-                cache,
-                None,
-                start_S,
-                decode_block,
-            )
+            hidden, cache = forward(
+                weights, tokens_S[:, None], start_S[:, None], cache, None, start_S, decode_block,
+                tab,
+            )  # fmt: skip
             logits_SxV = gdec.serving_logits(spec, weights, hidden)[:, 0]
             keys = sampler.token_keys(base, hash_S, call_S, start_S + 1)
             return (cache, *sampler.sample(logits_SxV, keys, temp_S, top_p))
@@ -232,7 +307,7 @@ class Programs:
         n = loop_steps(r)
 
         def decode_loop(weights, cache, tokens_S, start_S, left_S, stop_SxK, hash_S, call_S,
-                        temp_S, exit_on_free):  # fmt: skip
+                        temp_S, exit_on_free, *tab):  # fmt: skip
             """Up to ``n`` decode steps on the device. A slot runs while ``left_S`` > 0 (its
             token budget; 0 = idle) and stops after sampling one of its stop ids. The loop
             ends after n steps, when no slot runs, or (``exit_on_free``: requests wait for a
@@ -250,7 +325,7 @@ class Programs:
                 run_S = left_S > 0
                 write_S = jnp.where(run_S, pos_S, max_len)  # idle rows write past the cache
                 cache, new_S, lp_S = decode_step(
-                    weights, cache, tok_S, write_S, hash_S, call_S, temp_S
+                    weights, cache, tok_S, write_S, hash_S, call_S, temp_S, *tab
                 )
                 stopped_S = jnp.any(new_S[:, None] == stop_SxK, axis=1)
                 out_tok = out_tok.at[i].set(jnp.where(run_S, new_S, -1))
@@ -283,15 +358,26 @@ class Programs:
             )
             return jax.tree.map(write, cache, rows)
 
+        def read_pages(cache, pages_N):
+            """Pages ``pages_N`` of the pool: {'k': L x [N, KVH, Dh, ps], 'v': L x [N, ...]}."""
+            return jax.tree.map(lambda x: x[pages_N], cache)
+
+        def write_pages(cache, rows, pages_N):
+            return jax.tree.map(lambda x, r: x.at[pages_N].set(r.astype(x.dtype)), cache, rows)
+
         out = (self.cache_sh, rep, rep)
         self.compiler_options = opts = compiler_options(r, cell.devices[0].platform)
         self.prefill = jax.jit(prefill, donate_argnums=1, out_shardings=out,
                                compiler_options=opts)  # fmt: skip
+        tab_sh = ()
+        if paged:
+            tab_sh = (gmesh.sharding_for(cell, "rollout", ("batch", None),
+                                         (s, self.table_pages), "rollout.slots"),)  # fmt: skip
         self.decode = jax.jit(
             decode_step,
             donate_argnums=1,
             compiler_options=opts,
-            in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, vec, vec),
+            in_shardings=(self.weights_sh, self.cache_sh, vec, vec, vec, vec, vec, *tab_sh),
             out_shardings=(self.cache_sh, vec, vec),
         )
         mat = gmesh.sharding_for(cell, "rollout", (None, "batch"), (n, s), "rollout.slots")
@@ -312,6 +398,7 @@ class Programs:
                 vec,
                 vec,
                 rep,
+                *tab_sh,
             ),
             out_shardings=(self.cache_sh, mat, mat, rep),
         )
@@ -321,20 +408,26 @@ class Programs:
             in_shardings=(self.state_sh,), out_shardings=self.weights_sh,
         )  # fmt: skip
         self.copy_slot = jax.jit(copy_slot, donate_argnums=0, out_shardings=self.cache_sh)
+        self.copy_page = self.copy_slot  # paged: one page of the pool into another
         self.read_rows = jax.jit(read_rows, out_shardings=self.rows_sh)
         self.write_rows = jax.jit(write_rows, donate_argnums=0, out_shardings=self.cache_sh)
+        # Paged: a hand-over's pages (one compile per page count moved: hand-overs are rare).
+        self.read_pages = jax.jit(read_pages, out_shardings=self.rows_sh)
+        self.write_pages = jax.jit(write_pages, donate_argnums=0, out_shardings=self.cache_sh)
         zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_cache)
         self.new_cache = jax.jit(zeros, out_shardings=self.cache_sh)
 
 
-def programs_for(spec: RolloutSpec, cell: gmesh.Cell) -> Programs:
-    """Programs of ``cell`` for ``spec``, shared by every engine built for the same pair.
+def programs_for(spec: RolloutSpec, cell: gmesh.Cell, num_pages: int = 0) -> Programs:
+    """Programs of ``cell`` for ``spec`` (and, paged, a pool of ``num_pages`` pages: a shape),
+    shared by every engine built for the same pair.
 
-    Engines that differ only in their KV budget (``kv_tokens``, host-side accounting) share them.
+    Engines that differ only in their KV budget (``kv_tokens``, host-side accounting; paged,
+    through ``num_pages``) share them.
     """
-    return _programs_for(dataclasses.replace(spec, kv_tokens=0), cell)
+    return _programs_for(dataclasses.replace(spec, kv_tokens=0), cell, num_pages)
 
 
 @functools.lru_cache(maxsize=64)
-def _programs_for(spec: RolloutSpec, cell: gmesh.Cell) -> Programs:
-    return Programs(spec, cell)
+def _programs_for(spec: RolloutSpec, cell: gmesh.Cell, num_pages: int) -> Programs:
+    return Programs(spec, cell, num_pages)

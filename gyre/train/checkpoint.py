@@ -64,6 +64,21 @@ class Checkpointer:
         )
         return out["params"], out["opt_state"], dict(out["meta"])
 
+    def move_aside(self, step: int) -> str:
+        """Moves the unreadable checkpoint ``step`` out of the manager's directory into
+        ``<directory>.unreadable/<step>`` (kept for inspection) so that the step can be saved
+        again when it is re-trained -> where it went."""
+        self.manager.wait_until_finished()
+        aside = self.directory + ".unreadable"
+        os.makedirs(aside, exist_ok=True)
+        dest, n = os.path.join(aside, str(step)), 1
+        while os.path.exists(dest):  # the same step damaged twice: keep both
+            n += 1
+            dest = os.path.join(aside, f"{step}.{n}")
+        os.replace(os.path.join(self.directory, str(step)), dest)
+        self.manager.reload()
+        return dest
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -110,6 +125,7 @@ def restore_trainer(cls, spec, cells, graphdef, ckpt: Checkpointer, step=None, *
     abstract_params = _with_shardings(abstract_params, param_sh)
     tx = topt.make_optimizer(spec.optimizer)
     abstract_opt = topt.abstract_state(tx, abstract_params, param_sh, core.mesh)
+    unreadable = []
     for i, step in enumerate(steps):
         try:
             params, opt_state, meta = ckpt.restore(step, abstract_params, abstract_opt)
@@ -118,8 +134,12 @@ def restore_trainer(cls, spec, cells, graphdef, ckpt: Checkpointer, step=None, *
             if i + 1 == len(steps):
                 raise OSError(f"no intact checkpoint in {ckpt.directory}: step {step}: "
                               f"{_first_line(e)}") from e  # fmt: skip
-            log.warning("checkpoint %d in %s is unreadable (%s); resuming from step %d",
-                        step, ckpt.directory, _first_line(e), steps[i + 1])  # fmt: skip
+            unreadable.append((step, _first_line(e)))
+    # An older one read with the same layout, so the newer ones are damaged, not mismatched:
+    # they move aside, or their steps, once re-trained, could never be saved.
+    for bad, why in unreadable:
+        log.warning("checkpoint %d in %s is unreadable (%s); resuming from step %d (moved to %s)",
+                    bad, ckpt.directory, why, step, ckpt.move_aside(bad))  # fmt: skip
     rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
     if meta["objective"] != spec.objective:
         raise ValueError(

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gyre import bounds
+from gyre.model import decoder
 from gyre.trajectory import schema
 
 
@@ -60,6 +61,73 @@ def token_logprobs(logits_RxTxV, tokens_RxT, pred_RxT):
     # logp_j = logsm[parent_j, token_j]: one gather along T, then one along V.
     at_parent_RxTxV = jnp.take_along_axis(logsm_RxTxV, parent[..., None], axis=1)
     logp = jnp.take_along_axis(at_parent_RxTxV, tokens_RxT[..., None], axis=2)[..., 0]
+    ent = jnp.take_along_axis(ent_RxT, parent, axis=1)
+    return jnp.where(is_child, logp, 0.0), jnp.where(is_child, ent, 0.0)
+
+
+def head_logprobs(hidden_RxTxD, head_VxD, tokens_RxT, pred_RxT, *, chunk: int, dtype,
+                  sample_vocab: int = 0):  # fmt: skip
+    """:func:`token_logprobs` of ``logits = hidden @ head.T`` (the head run in ``dtype``,
+    accumulated in float32), without a [R, T, V] array when ``chunk`` < V.
+
+    The vocabulary is cut into ceil(V / chunk) chunks of ``chunk`` ids; a scan keeps a
+    running max, sum of exponentials and sum of exp * logit per position (an online
+    log-sum-exp), so the largest float32 array is one chunk's [R*T, chunk] logits. Each
+    chunk's body is rematerialised: the backward pass recomputes its logits instead of
+    keeping them (one more [R*T, D] x [D, chunk] product per chunk). The token's own logit
+    is a [D] dot with its head row at the parent's hidden state. Equals the one-piece
+    computation to float32 round-off (tests/test_chunked_logprobs.py); ``chunk`` = 0 or
+    >= V is the one-piece computation itself. Ids >= ``sample_vocab`` (when set) are masked
+    as :func:`gyre.model.decoder.mask_vocab` masks them.
+    """
+    r, t, d = hidden_RxTxD.shape
+    v = head_VxD.shape[0]
+    limit = sample_vocab if 0 < sample_vocab < v else v
+    if not chunk or chunk >= v:
+        logits = jnp.einsum("rtd,vd->rtv", hidden_RxTxD.astype(dtype), head_VxD.astype(dtype),
+                            preferred_element_type=jnp.float32)  # fmt: skip
+        if limit < v:
+            logits = jnp.where(jnp.arange(v) < limit, logits, decoder.MASKED)
+        return token_logprobs(logits, tokens_RxT, pred_RxT)
+    n = -(-v // chunk)
+    head = head_VxD.astype(dtype)
+    if n * chunk > v:
+        head = jnp.pad(head, ((0, n * chunk - v), (0, 0)))
+    # Chunk k holds the ids c * n + k (c < chunk): a vocabulary axis sharded in contiguous
+    # blocks stays sharded along each chunk's ids, so every device works on every chunk.
+    head_NxCxD = jnp.swapaxes(head.reshape(chunk, n, d), 0, 1)
+    ids_NxC = jnp.arange(chunk)[None, :] * n + jnp.arange(n)[:, None]
+    # float32 outside the scan, so the hidden state's gradient sums over chunks in float32
+    h32 = hidden_RxTxD.reshape(r * t, d).astype(jnp.float32)
+
+    @jax.checkpoint
+    def body(carry, xs):
+        m, s, u = carry
+        w_CxD, ids_C = xs
+        z = jnp.einsum("md,cd->mc", h32.astype(dtype), w_CxD, preferred_element_type=jnp.float32)
+        ok = ids_C < limit
+        top = jax.lax.stop_gradient(jnp.max(jnp.where(ok, z, -jnp.inf), axis=-1))
+        m_new = jnp.maximum(m, top)
+        scale = jnp.exp(m - m_new)
+        e = jnp.where(ok, jnp.exp(z - m_new[:, None]), 0.0)
+        s = s * scale + jnp.sum(e, axis=-1)
+        u = u * scale + jnp.sum(e * jnp.where(ok, z, 0.0), axis=-1)
+        return (m_new, s, u), None
+
+    zero = jnp.zeros((r * t,), jnp.float32)
+    (m, s, u), _ = jax.lax.scan(body, (zero - 1e30, zero, zero), (head_NxCxD, ids_NxC))
+    lse_RxT = (m + jnp.log(s)).reshape(r, t)
+    ent_RxT = (jnp.log(s) + m - u / s).reshape(r, t)
+    is_child = pred_RxT >= 0
+    parent = jnp.where(is_child, pred_RxT, 0)
+    # gathered in float32 and rounded to ``dtype`` after: their gradients (scatter-adds over
+    # repeated tokens and branch points) sum in float32
+    h_par = jnp.take_along_axis(h32.reshape(r, t, d), parent[..., None], axis=1).astype(dtype)
+    w_tok = jnp.take(head_VxD, tokens_RxT, axis=0).astype(dtype)
+    z_tok = jnp.sum(h_par.astype(jnp.float32) * w_tok.astype(jnp.float32), axis=-1)
+    if limit < v:
+        z_tok = jnp.where(tokens_RxT < limit, z_tok, decoder.MASKED)
+    logp = z_tok - jnp.take_along_axis(lse_RxT, parent, axis=1)
     ent = jnp.take_along_axis(ent_RxT, parent, axis=1)
     return jnp.where(is_child, logp, 0.0), jnp.where(is_child, ent, 0.0)
 

@@ -54,9 +54,20 @@ class TrainerSpec:
     rows_per_microbatch: int = 4
     max_bad_steps: int = 3
     seed: int = 0
+    # What each decoder block keeps for the backward pass: a name in decoder.REMAT_POLICIES
+    # ('none', 'full', 'dots_saveable', ...); gradients are equal under every policy.
+    remat: str = "none"
+    # Log-probabilities and entropy over the vocabulary in chunks of this many ids
+    # (loss.head_logprobs): no [rows, T, vocab] float32 logits; 0 = in one piece.
+    logits_chunk: int = 8192
 
     def __post_init__(self):
         tloss.objective_loss(self.objective)  # raises for an unknown objective
+        if self.remat not in decoder.REMAT_POLICIES:
+            raise ValueError(f"train.remat must be one of {tuple(decoder.REMAT_POLICIES)}, "
+                             f"got {self.remat!r}")  # fmt: skip
+        if self.logits_chunk < 0:
+            raise ValueError(f"train.logits_chunk must be >= 0, got {self.logits_chunk}")
         if self.rows_per_microbatch < 1:
             raise ValueError(
                 f"train.rows_per_microbatch must be >= 1, got {self.rows_per_microbatch}"
@@ -139,14 +150,18 @@ def _tree_add(a, b):
 _ADD = jax.jit(_tree_add, donate_argnums=(0,))
 
 
-def _objective(graphdef, objective, loss_spec, use_ref, params, ref_params, batch, version_now):
+def _objective(graphdef, objective, loss_spec, use_ref, params, ref_params, batch, version_now,
+               remat="none", logits_chunk=0):  # fmt: skip
     """(grads, metric sums) of one micro-batch under ``params``."""
     tokens, pred = batch["tokens"], batch["pred"]
 
     def logprobs(p):
         model = nnx.merge(graphdef, p)
-        hidden = model(tokens, batch["pos"], batch["leave"])
-        return tloss.token_logprobs(model.logits(hidden), tokens, pred)
+        hidden = model(tokens, batch["pos"], batch["leave"], remat=remat)
+        spec = model.spec
+        head = decoder.head_matrix(spec, model.serving_weights(layers=False))
+        return tloss.head_logprobs(hidden, head, tokens, pred, chunk=logits_chunk,
+                                   dtype=jnp.dtype(spec.dtype), sample_vocab=spec.sample_vocab)  # fmt: skip
 
     def loss_of(p):
         logp, ent = logprobs(p)
@@ -157,15 +172,18 @@ def _objective(graphdef, objective, loss_spec, use_ref, params, ref_params, batc
     return grads, metrics
 
 
-def gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh):
+def gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh, remat="none",
+                     logits_chunk=0):  # fmt: skip
     """The jitted gradient program of one cell (shared by every Trainer with these settings):
-    parameters in the cell's 'train' layout, batch rows over 'data', batch buffers donated."""
+    parameters in the cell's 'train' layout, batch rows over 'data', batch buffers donated.
+    ``remat``, ``logits_chunk``: :class:`TrainerSpec`'s."""
     return _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh,
-                             schema.device_names())  # fmt: skip
+                             schema.device_names(), remat, logits_chunk)  # fmt: skip
 
 
 @functools.cache
-def _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh, fields):
+def _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh, fields, remat="none",
+                      logits_chunk=0):  # fmt: skip
     # ``fields`` keys the cache too: the program's batch is exactly the schema's device fields.
     cell = gmesh.Cell(-1, mesh)
     p_sh = decoder.state_shardings(spec, cell, "train")
@@ -175,7 +193,7 @@ def _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh, field
 
     def fn(params, ref_params, batch, version_now):
         return _objective(graphdef, objective, loss_spec, use_ref, params, ref_params, batch,
-                          version_now)  # fmt: skip
+                          version_now, remat, logits_chunk)  # fmt: skip
 
     return jax.jit(
         fn,
@@ -189,16 +207,17 @@ def _gradient_program(graphdef, spec, objective, loss_spec, use_ref, mesh, field
 def update_program(spec: topt.OptimizerSpec):
     """(params, opt_state, grads, loss_ok) -> (params, opt_state, ok, grad_norm) on the core.
 
-    The update is kept only if the loss and the gradient are finite (else the old state is
-    returned unchanged)."""
+    The update is kept only if the loss, the gradient and the new weights are finite (else
+    the old state is returned unchanged)."""
     tx = topt.make_optimizer(spec)
 
     def fn(params, opt_state, grads, loss_ok):
         leaves = jax.tree.leaves(grads)
         grad_norm = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in leaves))
-        ok = loss_ok & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+        finite = [jnp.isfinite(p).all() for p in jax.tree.leaves(new_params)]  # a huge lr
+        ok = loss_ok & jnp.isfinite(grad_norm) & jnp.stack(finite).all()
 
         def keep(new, old):
             return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -285,7 +304,7 @@ class Trainer:
         """The jitted gradient program of ``cell`` (cached across Trainers with equal specs)."""
         s = self.spec
         return gradient_program(self.graphdef, s.model, s.objective, s.loss, self.use_ref,
-                                cell.mesh)  # fmt: skip
+                                cell.mesh, s.remat, s.logits_chunk)  # fmt: skip
 
     def compute_grads(self, cell, mb: Microbatch) -> GradResult:
         """Gradient (on ``cell``, 'train' layout) and metric sums of one micro-batch."""
@@ -332,7 +351,8 @@ class Trainer:
         self.bad_steps += 1
         log.warning(
             "step %d skipped: non-finite %s (loss=%s grad_norm=%s); executions %s",
-            self.step, "loss" if not loss_ok else "gradient", metrics["loss"], metrics["grad_norm"],
+            self.step, "loss" if not loss_ok else "gradient or new weights", metrics["loss"],
+            metrics["grad_norm"],
             exec_ids,
         )  # fmt: skip
         if self.bad_steps >= self.spec.max_bad_steps:

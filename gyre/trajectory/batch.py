@@ -116,7 +116,13 @@ def _trees(results, spec: TrajectorySpec, targets: str):
     vocab_size, max_paths, row_len = spec.vocab_size, spec.max_paths, spec.row_len
     for i, res in enumerate(results):
         try:
-            validate_execution(res.records, vocab_size, check_prompt_ids=False)
+            validate_execution(
+                res.records,
+                vocab_size,
+                check_prompt_ids=False,
+                execution_id=res.execution_id,
+                end_reason=res.end_reason,
+            )
             tree = build_tree(res.records)
             if tree.tokens.min() < 0 or tree.tokens.max() >= vocab_size:
                 validate_execution(res.records, vocab_size)  # raises, naming the call

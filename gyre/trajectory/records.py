@@ -16,6 +16,10 @@ ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
 END_REASONS = ("success", "failure", "timeout", "context_overflow", "infra_error")
 
 
+# Fields that describe the whole execution and are copied onto each of its records.
+EXECUTION_FIELDS = ("execution_id", "end_reason")
+
+
 class RecordError(ValueError):
     """A malformed call record; the message names the execution, call and field."""
 
@@ -144,9 +148,13 @@ def _structure(rec: CallRecord) -> None:
 
 
 def validate_execution(
-    records: list[CallRecord], vocab_size: int, check_prompt_ids: bool = True
+    records: list[CallRecord], vocab_size: int, check_prompt_ids: bool = True, **result
 ) -> None:
     """Checks every record of one execution, unique call ids and that parents exist.
+
+    The per-execution fields (execution_id, end_reason) must agree across the records, and
+    with ``result``'s (the ExecutionResult's own, e.g. ``end_reason="success"``) when given:
+    an execution is scored from its records and reported from its result.
 
     Value checks run once per field over all records' arrays concatenated; only when one
     fails are the records checked one by one, to name the offending call.
@@ -159,8 +167,10 @@ def validate_execution(
     ids = set()
     for rec in records:
         _structure(rec)
-        if rec.execution_id != records[0].execution_id:
-            _fail(rec, "execution_id", f"differs from the execution's {records[0].execution_id!r}")
+        for field in EXECUTION_FIELDS:
+            want = result.get(field) or getattr(records[0], field)
+            if getattr(rec, field) != want:
+                _fail(rec, field, f"is {getattr(rec, field)!r}, but the execution's is {want!r}")
         if rec.call_id in ids:
             _fail(rec, "call_id", "is not unique within the execution")
         ids.add(rec.call_id)

@@ -1,0 +1,64 @@
+"""The memory plan (gyre/rl/memory_plan.py, python -m gyre.plan): XLA's figures per device, the
+one-line refusal naming the largest term and its setting, and the builder's hook."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from worlds import small_config
+
+from gyre.config import ConfigError
+from gyre.rl import memory_plan
+from gyre.rl.builder import build_specs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    cfg = small_config()
+    cfg.trajectory.row_len = 256
+    cfg.mesh.cell_size, cfg.mesh.model_parallel = 2, 1
+    specs = build_specs(cfg)
+    return specs, memory_plan.plan(specs, 1e9)
+
+
+def test_plan_counts_every_term_per_device(tiny_plan):
+    specs, p = tiny_plan
+    train, rollout = p.roles
+    terms = {t.name.split(" (")[0]: t.bytes for t in train.terms}
+    n = sum(x.size for x in __import__("jax").tree.leaves(
+        __import__("gyre.model.decoder", fromlist=["x"]).abstract_model(specs.model)[1]))  # fmt: skip
+    # float32 weights: FSDP over the 2 'data' devices (every parameter divides here)
+    assert terms["weights"] == pytest.approx(4 * n / 2, rel=0.05)
+    assert terms["optimizer state"] == pytest.approx(2 * terms["weights"], rel=0.01)
+    assert terms["gradient program: temporaries"] > 0
+    kv = {t.name.split(" (")[0]: t.bytes for t in rollout.terms}["KV cache"]
+    m, r = specs.model, specs.rollout
+    assert kv == 2 * m.num_layers * r.slots * r.max_len * m.num_kv_heads * m.head_dim * 4 / 2
+    assert p.fits and "fits" in p.table()
+
+
+def test_a_plan_that_does_not_fit_is_one_line_naming_the_largest_term(tiny_plan):
+    specs, p = tiny_plan
+    small = memory_plan.Plan(1e5, 0.1, p.roles, p.platform, p.settings)
+    assert not small.fits
+    line = small.refusal()
+    assert "\n" not in line and small.worst().largest().name in line
+    assert small.worst().largest().setting in line
+    with pytest.raises(ConfigError, match="largest term"):
+        memory_plan.check(specs, memory=1e5)
+    assert memory_plan.check(specs) is None  # CPU devices report no memory: not checked
+
+
+@pytest.mark.slow
+def test_cli_prints_the_table_and_a_json_line():
+    out = subprocess.run([sys.executable, "-m", "gyre.plan", "--config=experiments/qwen3_code.py:tiny",
+                          "--device_memory=80GB"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert "memory plan per device" in lines[0] and lines[-2] == "memory plan: fits"
+    assert json.loads(lines[-1])["fits"] is True
