@@ -214,9 +214,14 @@ seen = run('''
     def probe():
         out = {}
         open("/tmp/" + sys.argv[2], "w").write("x")  # its own /tmp: the host's has none
-        for p in ("/etc/passwd", "/root", sys.argv[1], "/home"):
+        # the checkout's README is read (host content; under /tmp a write would land in the
+        # sandbox's own /tmp), the rest are listed or written
+        for p in ("/etc/passwd", "/root", sys.argv[1] + "/README.md", "/home"):
             try:
-                os.listdir(p) if os.path.isdir(p) else open(p, "w").write("x")
+                if p.endswith("README.md"):
+                    open(p).read()
+                else:
+                    os.listdir(p) if os.path.isdir(p) else open(p, "w").write("x")
                 out[p] = "ok"
             except BaseException as e:
                 out[p] = type(e).__name__
