@@ -27,13 +27,13 @@ def test_a_step_closes_at_its_share_and_hands_its_running_groups_on():
     groups = [_group(0, i) for i in range(4)]
     for g in groups:
         work.own(g, spec=None)
-    assert not work.closable and work.groups_left == 4
-    work.open_groups.discard(groups[0])  # finished (packing is tested elsewhere)
-    work.own_done = 1
+    assert not work.closable and len(work.open_groups) == 4
+    work.finish(groups[0], [], spec=None)  # no executions: nothing to pack
     assert not work.closable
-    work.open_groups.discard(groups[1])
-    work.own_done = 2
-    assert work.closable  # 2 of 4 finished; the other two may be carried
+    work.finish(groups[1], [], spec=None)
+    assert (
+        work.closable and work.own_done == 2 and work.groups == [(0, 0), (0, 1)]
+    )  # 2 of 4 finished; the other two may be carried
     left = work.close()
     assert [g.key for g in left] == [(0, 2), (0, 3)]
     assert all(g.work is None and g.carried == 1 for g in left)
@@ -41,15 +41,27 @@ def test_a_step_closes_at_its_share_and_hands_its_running_groups_on():
     for g in left:
         nxt.own(g, spec=None)
     assert nxt.carried_in == 2 and all(g.work is nxt for g in left)
-    nxt.own_done = 4  # every own group finished, but the carried ones reached max_carry
-    assert not nxt.closable
+    for i in range(4):  # every own group finished, but the carried ones reached max_carry
+        g = _group(1, i)
+        nxt.own(g, spec=None)
+        nxt.finish(g, [], spec=None)
+    assert nxt.own_done == 4 and not nxt.closable
+    for g in left:
+        nxt.finish(g, [], spec=None)
+    assert nxt.closable and nxt.own_done == 4  # carried groups are not its own
 
 
 def test_without_carry_over_a_step_waits_for_every_group():
     work = StepWork(0, 0, num_groups=3, dispatched_at=0.0)
     assert work.need == 3
-    work.own_done = 2
+    groups = [_group(0, i) for i in range(3)]
+    for g in groups:
+        work.own(g, spec=None)
+    for g in groups[:2]:
+        work.finish(g, [], spec=None)
     assert not work.closable
+    work.finish(groups[2], [], spec=None)
+    assert work.closable
 
 
 @pytest.mark.parametrize("policy", ["async", "elastic", "colocate"])

@@ -137,6 +137,12 @@ class PolicyParams:
     def __post_init__(self):
         bounds.check(self, "scheduler")
 
+    def close_need(self, units: int, last: bool) -> int:
+        """Own units (task groups, or the simulator's executions) a step waits for before it
+        may close: all for the run's last step (nothing follows to carry into), else
+        ceil(close_share x units) (all when carry-over is off)."""
+        return units if last else math.ceil(self.close_share * units - 1e-9)
+
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:

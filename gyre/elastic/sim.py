@@ -763,8 +763,7 @@ class Simulator:
         open unit it owns may still be carried (the last step waits for everything)."""
         if v == len(self.steps) - 1:
             return not self.open_units[v]
-        need = math.ceil(self.params.close_share * self.n_units[v] - 1e-9)
-        if self.units_done[v] < need:
+        if self.units_done[v] < self.params.close_need(self.n_units[v], last=False):
             return False
         return all(self.unit_carried[u] < self.params.max_carry for u in self.open_units[v])
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import time
 
 from gyre.agent.harness import run_execution
@@ -86,8 +85,7 @@ class Rollouts:
         run, sched = self.specs.run, self.specs.scheduler
         tasks = step_tasks(self.env, run.seed, step, run.tasks_per_step)
         last = step == run.steps - 1  # the last step waits for everything
-        need = len(tasks) if last else math.ceil(sched.close_share * len(tasks) - 1e-9)
-        work = StepWork(step, version, len(tasks), time.time(), need=need,
+        work = StepWork(step, version, len(tasks), time.time(), need=sched.close_need(len(tasks), last),
                         max_carry=0 if last else sched.max_carry)  # fmt: skip
         for g in self.carried:
             self.packed_tokens += work.own(g, self.specs.trajectory)

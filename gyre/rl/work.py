@@ -93,11 +93,6 @@ class StepWork:
     def ready(self) -> bool:
         return self.closable and not self.queue
 
-    @property
-    def groups_left(self) -> int:
-        """Groups owned and still running."""
-        return len(self.open_groups)
-
     def own(self, group: Group, spec: TrajectorySpec) -> float:
         """Takes ``group`` over (dispatched here, or carried in) -> trainable tokens queued
         (a carried group that already finished is packed at once)."""
