@@ -29,11 +29,18 @@ def test_mutants_are_one_change_each_and_deduplicated():
     assert len({s for _, s in found}) == len(found)
 
 
+# Every fourth problem by name: the whole set takes minutes in the sandbox, so the full figure
+# is `python benchmarks/mutants.py` (BENCHMARKS.md); this guards a quarter of the set on
+# every CI run.
+SAMPLE = sorted(load_problems())[::4]
+
+
 @pytest.mark.slow
 @pytest.mark.sandbox
 def test_at_most_one_percent_of_mutants_survive_the_hidden_tests(capsys):
-    summary = mutants.main([])
-    assert summary["mutants"] >= 1500 and summary["stale_equivalent"] == 0
+    summary = mutants.main(["--problems", ",".join(SAMPLE)])
+    assert summary["problems"] == len(SAMPLE) >= 40
+    assert summary["mutants"] >= 300 and summary["stale_equivalent"] == 0
     assert summary["survival"] <= 0.01, capsys.readouterr().out[-3000:]
 
 

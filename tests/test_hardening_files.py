@@ -213,7 +213,8 @@ def test_a_run_that_fell_back_from_a_damaged_checkpoint_then_holds_every_step(tm
     args = [sys.executable, "launch.py", "--config=experiments/quickstart.py:tiny",
             f"--workdir={workdir}", "--config.run.steps=2", "--config.mesh.cell_size=4",
             "--config.sft.steps=0", "--config.eval.tasks=0", "--config.run.tasks_per_step=2",
-            "--config.train.checkpoint_every=1"]  # fmt: skip
+            "--config.train.checkpoint_every=1",
+            f"--config.mesh.cache_dir={tmp_path / 'xla'}"]  # fmt: skip
     launch = lambda: subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=600)
     first = launch()
     assert first.returncode == 0, first.stderr[-2000:]

@@ -15,6 +15,9 @@ from gyre.model import decoder
 from gyre.rl.builder import build_specs
 from gyre.train import step as tstep
 
+# The parametrized policies share the module's fixtures on one worker.
+pytestmark = pytest.mark.xdist_group("remat")
+
 
 def _batch(r, t, vocab, seed=0):
     rng = np.random.default_rng(seed)
@@ -48,14 +51,21 @@ def _grads(specs, graphdef, params, batch, remat):
     return fn(params)
 
 
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The batch and the gradient without remat, computed once for every policy."""
+    specs, graphdef, params = tiny
+    batch = _batch(2, 32, specs.model.vocab_size)
+    return batch, _grads(specs, graphdef, params, batch, "none")
+
+
 @pytest.mark.parametrize("policy", [
     pytest.param(p, marks=() if p == "full" else pytest.mark.slow)
     for p in decoder.REMAT_POLICIES if p != "none"
 ])  # fmt: skip
-def test_every_policy_gives_the_gradient_of_no_remat(tiny, policy):
+def test_every_policy_gives_the_gradient_of_no_remat(tiny, reference, policy):
     specs, graphdef, params = tiny
-    batch = _batch(2, 32, specs.model.vocab_size)
-    g0, m0 = _grads(specs, graphdef, params, batch, "none")
+    batch, (g0, m0) = reference
     g1, m1 = _grads(specs, graphdef, params, batch, policy)
     np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
