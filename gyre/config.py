@@ -79,8 +79,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.cluster.address = cluster_.address
     c.cluster.actors = cluster_.actors  # ray: actor processes; actor 0 holds the core cell
     c.cluster.cells_per_actor = cluster_.cells_per_actor
-    # a cross-process move past this declares its cell lost
+    # ray: a deadline per phase of a call to an actor; past one the call's cell is lost (the
+    # core's: the run ends) with a line naming the phase. A cross-process array move:
     c.cluster.transfer_timeout_s = cluster_.transfer_timeout_s
+    # an actor's start (its process, devices and transfer server)
+    c.cluster.startup_timeout_s = cluster_.startup_timeout_s
+    # a checkpoint read or written (actor 0's initial weights, a save)
+    c.cluster.load_timeout_s = cluster_.load_timeout_s
+    # a program's first call on a cell (compiled, or loaded from the persistent cache)
+    c.cluster.compile_timeout_s = cluster_.compile_timeout_s
+    # any other call (an engine step, a gradient, an update)
+    c.cluster.step_timeout_s = cluster_.step_timeout_s
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 64

@@ -3,7 +3,9 @@ RemoteEngine does when its actor dies, played on in-process engines (no Ray need
 runs are tests/test_ray_cluster.py)."""
 
 import asyncio
+import collections
 
+import jax
 import numpy as np
 import pytest
 from rollout_world import CELLS
@@ -54,4 +56,86 @@ def test_a_lost_cells_calls_finish_on_the_others_with_the_same_tokens():
     assert proxy.take_lost_retried() == len(orphans) and proxy.take_lost_retried() == 0
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g.tokens, w.tokens)
+        assert g.finish_reason == w.finish_reason
+
+
+class InProcessCluster:
+    """What a RemoteEngine asks of RayCluster, over CellWorkers in this process (one per actor,
+    each with its own transfer server): the worker code of a Ray actor, called directly. The
+    weights come from a third transfer point standing for the core's."""
+
+    def __init__(self, specs, workers, state):
+        from gyre.cluster.remote import RayCluster
+        from gyre.cluster.transfer import TransferPoint
+
+        self.spec, self.workers, self.state = specs.cluster, workers, state
+        self.core_point = TransferPoint()
+        self.moves = collections.Counter()
+        self.compiled = set()
+        self.phase_of = RayCluster.phase_of.__get__(self)
+
+    def call(self, cell, method, *args):
+        return getattr(self.workers[self.spec.actor_of(cell)], method)(*args)
+
+    def remote(self, cell, method, *args):
+        return self.call(cell, method, *args)  # done at once: get() hands it back
+
+    def get(self, ref, cell, phase="step", what=""):
+        return ref
+
+    def weights(self, cell, role):
+        from gyre.cluster.worker import Offer
+
+        self.moves[f"weights_{role}"] += 1
+        leaves = tuple((x.shape, x.dtype.str) for x in jax.tree.leaves(self.state))
+        return Offer(self.core_point.offer(self.state), leaves)
+
+
+def test_kv_rows_migrate_between_two_actors_at_a_hand_over_and_tokens_continue_exactly():
+    """Two actors' workers (cells 1 and 2, each its own transfer server) serve through
+    RemoteEngines under the proxy; mid-generation cell 1 leaves rollout ('migrate'): its live
+    requests' KV rows are offered by actor 1 and pulled by actor 2, which continues them. The
+    tokens and log-probabilities equal those of one cell that never handed anything over."""
+    from rollout_world import STATE, tiny_spec
+    from test_proxy import run
+
+    from gyre.cluster.remote import RemoteCell, RemoteEngine
+    from gyre.cluster.worker import CellWorker
+    from gyre.config import default_config
+    from gyre.rollout.proxy import Proxy
+
+    cfg = default_config()
+    m = cfg.model
+    m.d_model, m.num_layers, m.d_ff, m.num_heads, m.num_kv_heads, m.head_dim = 32, 2, 64, 2, 2, 16
+    m.attention = "dense"
+    cfg.rollout.slots, cfg.rollout.max_len, cfg.rollout.prefill_chunk = 4, 64, 16
+    cfg.rollout.decode_steps = 2
+    cfg.mesh.cell_size, cfg.sft.steps = 2, 0
+    cfg.cluster.backend, cfg.cluster.actors = "ray", 3
+    specs = build_specs(cfg)
+    assert specs.rollout == tiny_spec()  # the reference's engine, exactly
+    workers = {a: CellWorker(specs, "", a) for a in (1, 2)}  # (actor 0, the core: not needed)
+    assert workers[1].address() != workers[2].address()
+    cluster = InProcessCluster(specs, workers, STATE)
+    engines = [RemoteEngine(cluster, RemoteCell(i, 2, "cpu"), specs.rollout, 0) for i in (1, 2)]
+    proxy = Proxy(engines)
+
+    reqs = [make_request(i, 6 + 9 * i, 20, 1.0) for i in range(4)]
+    want = reference(reqs)
+    counts, live = {}, []
+
+    def hand_over():
+        live.extend(engines[0].live_ids())
+        counts.update(proxy.release(1, "migrate"))  # actor 1's cell leaves rollout
+
+    got = run(drive(proxy, reqs, {4: hand_over}))
+    assert counts == {"migrated": 2} and len(live) == 2, (counts, live)  # mid-generation
+    # the rows crossed through the transfer service: offered by actor 1, pulled by actor 2
+    assert cluster.moves["kv_rows"] == 2
+    assert workers[1].transfer_stats()["offers"] == 2
+    pulls = workers[2].transfer_stats()
+    assert pulls["pulls"] == 2 + 1 and pulls["pulled_bytes"] > 0  # the rows, and its weights
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        np.testing.assert_array_equal(g.logprobs, w.logprobs)
         assert g.finish_reason == w.finish_reason

@@ -140,3 +140,52 @@ def test_an_actor_killed_while_serving_loses_nothing(world, monkeypatch):
     assert s["final_version"] == 2 and s["transfers"]["lost_actors"] == [1]
     assert s["handovers"]["cells_lost"] == 1 and s["handovers"]["lost_retried"] >= 1
     _same_run(world, got["workdir"])
+
+
+@pytest.mark.slow
+def test_kv_rows_migrate_between_actors_at_a_hand_over_and_tokens_continue_exactly(world):
+    """Two actors serve model calls through the proxy; mid-generation the core's cell leaves
+    rollout ('migrate'): its live requests' KV rows are offered by actor 0 and pulled by actor
+    1, which continues them. Tokens and log-probabilities equal those of the in-process cells
+    with no hand-over."""
+    import asyncio
+
+    from test_proxy import drive
+
+    from gyre.rl.builder import build_runtime
+    from gyre.rollout.types import GenerateRequest
+
+    cfg = quickstart.get_config("tiny")
+    cfg.mesh.cell_size, cfg.mesh.cache_dir = 4, world["cache"]
+    cfg.rollout.decode_steps = 2  # short device loops: requests are live at the hand-over
+    specs = build_specs(cfg)
+    vocab = specs.model.vocab_size
+    reqs = [GenerateRequest(f"exec{i}", i, np.random.default_rng(i).integers(
+                0, vocab, 6 + 9 * i).astype(np.int32), 40, (), 1.0)
+            for i in range(4)]  # fmt: skip
+
+    counts, live = {}, []
+
+    def hand_over(proxy):
+        live.extend(proxy.engines[0].live_ids())
+        counts.update(proxy.release(0, "migrate"))
+
+    def serve(backend):
+        cfg.cluster.backend, cfg.cluster.actors = backend, 2
+        rt = build_runtime(build_specs(cfg), str(world["base"] / f"kv_{backend}"))
+        actions = {4: lambda: hand_over(rt.proxy)} if backend == "ray" else None
+        try:
+            got = asyncio.run(drive(rt.proxy, reqs, actions))
+            return got, rt.cluster.transfer_stats() if rt.cluster else None
+        finally:
+            rt.close()
+
+    want, _ = serve("local")
+    got, moves = serve("ray")
+    assert counts.get("migrated", 0) == len(live) > 0, (counts, live)
+    assert moves["moves"].get("kv_rows", 0) == counts["migrated"], moves  # across actors
+    assert moves["pulls"] == moves["moves_total"] and moves["lost_actors"] == []
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        np.testing.assert_array_equal(g.logprobs, w.logprobs)
+        assert g.finish_reason == w.finish_reason

@@ -14,9 +14,12 @@ talks to the actors through two handles with the in-process interfaces:
   the update, checkpoints). Weights are named by version (:class:`WeightsRef`); they move
   core -> cell only when a cell needs them.
 
-Every cross-process array move goes through the transfer service (gyre/cluster/transfer.py),
-under a deadline the driver enforces (``cluster.transfer_timeout_s``). A call that finds its
-actor dead, or a move past its deadline, loses the cell: the actor is ended, its live model
+Every cross-process array move goes through the transfer service (gyre/cluster/transfer.py).
+Every call to an actor has a deadline the driver enforces, by its phase (:meth:`RayCluster.
+phase_of`; ``cluster.<phase>_timeout_s``): startup (an actor's start), load (a checkpoint read
+or written), compile (a program's first call on a cell), transfer (an array move) and step
+(any other call). A call that finds its actor dead, or one past its deadline, loses the cell
+(a line names the phase and its key): the actor is ended, its live model
 calls are retried on the other rollout cells from their exact token records, a micro-batch it
 was computing is queued again, and the run continues on fewer cells (the controller's
 ``proxy.lost``). Losing the core cell ends the run with one line; a relaunch resumes from the
@@ -32,6 +35,7 @@ import os
 
 import jax
 
+from gyre.cluster.spec import PHASES
 from gyre.errors import CellLost
 from gyre.rollout.engine import footprint
 from gyre.train.step import GradResult
@@ -104,6 +108,27 @@ def _actor_class(ray):
     return ray.remote(CellActor)
 
 
+# The phase of a call by its method; the first call of a COMPILING method on a cell is in
+# 'compile' (it compiles that cell's program, or loads it from the persistent cache).
+LOAD_CALLS = frozenset({"load", "save", "close"})
+TRANSFER_CALLS = frozenset({"offer_weights", "offer_grads", "take_grads", "host_params",
+                            "export", "import_", "set_weights", "resume"})  # fmt: skip
+COMPILING = frozenset({"resume", "warmup", "step", "compute_grads", "apply_parts"})
+
+
+def keep_driver_off_accelerators() -> bool:
+    """Pins this process (the driver) to JAX's CPU platform when no backend is initialised
+    yet -> whether it did. The actors own the accelerators; the driver needs none (it holds
+    handles and host data), and a backend it initialised on a GPU head node would take device
+    memory beside them. Process-local: the actors, started by Ray, are not affected."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():  # e.g. a test's in-process run: leave it
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def actor_name(actor: int) -> str:
     """The Ray name of actor ``actor`` (``ray.get_actor(actor_name(1))`` finds it)."""
     return f"gyre-cell-actor-{actor}"
@@ -115,8 +140,9 @@ class RayCluster:
 
     def __init__(self, specs, workdir: str, make_trainer):
         ray = self.ray = _ray()
+        keep_driver_off_accelerators()
         cl = self.spec = specs.cluster
-        self.timeout = cl.transfer_timeout_s
+        self.compiled: set[tuple[int, str]] = set()  # (cell, method) called once already
         self.started = not ray.is_initialized()
         if self.started:
             env = {"XLA_FLAGS": _without_device_count(os.environ.get("XLA_FLAGS", ""))}
@@ -133,8 +159,10 @@ class RayCluster:
         self.dead: set[int] = set()  # actor indices
         self.moves = collections.Counter()  # cross-process moves the driver ordered, by kind
         try:
-            infos = wait_started(ray, self.actors, opts, self.timeout)
-        except ActorStartError:
+            infos = wait_started(ray, self.actors, opts, cl.startup_timeout_s)
+            self.core = self.actors[0]
+            self.call(0, "load")  # the trainer, under the load deadline
+        except BaseException:
             for actor in self.actors:  # nothing of a run that could not start stays up
                 try:
                     ray.kill(actor, no_restart=True)
@@ -144,7 +172,6 @@ class RayCluster:
                 ray.shutdown()
             raise
         self.platform = infos[0]["platform"]
-        self.core = self.actors[0]
 
     # ------------------------------------------------------------------ calls
 
@@ -158,13 +185,26 @@ class RayCluster:
             raise CellLost(cell, "its actor was lost earlier")
         return self.actors[a].call.remote(method, *args)
 
-    def get(self, ref, cell: int):
-        """The result of ``ref``, a call on (or a transfer from) cell ``cell``; raises CellLost
-        when that cell's actor is dead or the call outlives the transfer deadline, and the
+    def phase_of(self, cell: int, method: str) -> str:
+        """The phase of a call of ``method`` on cell ``cell`` (one of PHASES, each with its
+        deadline); counts a first call, so ask once per call."""
+        if method in LOAD_CALLS:
+            return "load"
+        if method in COMPILING and (cell, method) not in self.compiled:
+            self.compiled.add((cell, method))
+            return "compile"
+        return "transfer" if method in TRANSFER_CALLS else "step"
+
+    def get(self, ref, cell: int, phase: str = "step", what: str = ""):
+        """The result of ``ref``, a call on (or a transfer from) cell ``cell`` in ``phase``
+        (``what``: its method, for the message); raises CellLost (CoreLost for the core's)
+        when that cell's actor is dead or the call outlives its phase's deadline, and the
         call's own exception otherwise (one line, as in-process)."""
+        assert phase in PHASES, phase
         ray = self.ray
+        timeout = self.spec.deadline(phase)
         try:
-            return ray.get(ref, timeout=self.timeout)
+            return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             if not self.alive(cell):
                 raise self.lose(cell, "its actor died during a call") from None
@@ -173,18 +213,20 @@ class RayCluster:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
             raise self.lose(cell, "its actor died") from None
         except ray.exceptions.GetTimeoutError:
-            raise self.lose(cell, f"a call or transfer took over {self.timeout:g} s "
-                                  "(cluster.transfer_timeout_s)") from None  # fmt: skip
+            call = f" ({what})" if what else ""
+            raise self.lose(cell, f"a {phase} call{call} took over {timeout:g} s "
+                                  f"(cluster.{phase}_timeout_s)") from None  # fmt: skip
 
     def call(self, cell: int, method: str, *args):
-        return self.get(self.remote(cell, method, *args), cell)
+        ref = self.remote(cell, method, *args)
+        return self.get(ref, cell, self.phase_of(cell, method), method)
 
     def alive(self, cell: int) -> bool:
         a = self.spec.actor_of(cell)
         if a in self.dead:
             return False
         try:
-            self.ray.get(self.actors[a].info.remote(), timeout=self.timeout)
+            self.ray.get(self.actors[a].info.remote(), timeout=self.spec.step_timeout_s)
             return True
         except Exception:  # noqa: BLE001 - any failure to answer is a dead actor
             return False
@@ -213,20 +255,20 @@ class RayCluster:
         if self.spec.actor_of(cell) == 0:
             return None
         self.moves[f"weights_{role}"] += 1
-        return self.get(self.core.call.remote("offer_weights", role), 0)
+        return self.call(0, "offer_weights", role)
 
     def host_params(self):
-        return self.get(self.core.call.remote("host_params"), 0)
+        return self.call(0, "host_params")
 
     def transfer_stats(self) -> dict:
         """Pulls done by every live actor, and the moves the driver ordered (equal when every
         cross-process move went through the transfer service)."""
         pulls = collections.Counter()
-        for a, actor in enumerate(self.actors):
+        for a in range(len(self.actors)):
             if a not in self.dead:  # (a lost actor's pulls are lost with it)
                 try:
                     cell = self.spec.cells_of(a)[0]
-                    pulls.update(self.get(actor.call.remote("transfer_stats"), cell))
+                    pulls.update(self.call(cell, "transfer_stats"))
                 except CellLost:
                     pass
         return {"moves": dict(self.moves), "moves_total": sum(self.moves.values()),
@@ -237,7 +279,7 @@ class RayCluster:
         for a, actor in enumerate(self.actors):
             if a not in self.dead:
                 try:
-                    self.ray.get(actor.call.remote("close"), timeout=self.timeout)
+                    self.ray.get(actor.call.remote("close"), timeout=self.spec.load_timeout_s)
                 except Exception:  # noqa: BLE001 - closing: report nothing more
                     pass
                 self.ray.kill(actor, no_restart=True)
@@ -258,7 +300,7 @@ def wait_started(ray, actors, request: dict, timeout: float) -> list[dict]:
             cause = getattr(e, "cause", None) or e
             why = (str(cause).strip().splitlines() or [type(cause).__name__])[-1][:300]
             if isinstance(e, ray.exceptions.GetTimeoutError):
-                why = f"not started within {timeout:g} s (cluster.transfer_timeout_s): {why}"
+                why = f"not started within {timeout:g} s (cluster.startup_timeout_s): {why}"
             raise ActorStartError(f"actor {i} ({actor_name(i)}) could not start, asking for "
                                   f"{request}: {why}") from None  # fmt: skip
     return infos
@@ -366,15 +408,17 @@ class RemoteEngine:
         actor steps at once; the proxy collects in cell order)."""
         if self.lost:
             return lambda: []
+        cl, i = self.cluster, self.cell.index
         try:
-            ref = self.cluster.remote(self.cell.index, "step", self.cell.index)
+            ref = cl.remote(i, "step", i)
         except CellLost:
             self._lose()
             return lambda: []
+        phase = cl.phase_of(i, "step")
 
         def finish():
             try:
-                done, admitted, status = self.cluster.get(ref, self.cell.index)
+                done, admitted, status = cl.get(ref, i, phase, "step")
             except CellLost:
                 self._lose()
                 return []
@@ -457,7 +501,7 @@ class RemoteTrainer:
             grads = cl.call(i, "offer_grads", key)
             cl.moves["grads"] += 1
             try:
-                cl.get(cl.core.call.remote("take_grads", key, grads), 0)
+                cl.call(0, "take_grads", key, grads)
             except CellLost as e:
                 if e.cell == 0 or cl.alive(i):
                     raise

@@ -53,8 +53,8 @@ class Offer:
 class CellWorker:
     """The cells ``specs.cluster.cells_of(actor)`` on this process's first devices.
 
-    Actor 0 also builds the trainer with ``make_trainer(specs, cells, graphdef, checkpointer)
-    -> (trainer, resumed)``: the builder passes its own (gyre/rl/builder.py,
+    Actor 0 also builds the trainer, in :meth:`load`, with ``make_trainer(specs, cells,
+    graphdef, checkpointer) -> (trainer, resumed)``: the builder passes its own (gyre/rl/builder.py,
     ``initial_trainer``: restored from ``<workdir>/checkpoints`` when one exists, else the
     initial weights), so an actor's trainer is made exactly as the in-process one.
     """
@@ -80,12 +80,21 @@ class CellWorker:
         self._keys = itertools.count()
         self.trainer = self.checkpointer = None
         self.resumed = False
-        if actor == 0:
-            self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                             specs.run.keep_checkpoints)  # fmt: skip
-            self.trainer, self.resumed = make_trainer(
-                specs, [self.cells[i] for i in indices], self.graphdef, self.checkpointer
-            )
+        self._workdir, self._make_trainer = workdir, make_trainer
+
+    def load(self) -> dict:
+        """Actor 0: builds the trainer (restored from the workdir's checkpoints, or the initial
+        weights) -> its status. Apart from the start so that it has its own deadline
+        (``cluster.load_timeout_s``); a worker of another actor has nothing to load."""
+        if self.actor != 0:
+            return {}
+        if self.trainer is None:
+            self.checkpointer = Checkpointer(os.path.join(self._workdir, "checkpoints"),
+                                             self.specs.run.keep_checkpoints)  # fmt: skip
+            cells = [self.cells[i] for i in self.specs.cluster.cells_of(0)]
+            self.trainer, self.resumed = self._make_trainer(self.specs, cells, self.graphdef,
+                                                            self.checkpointer)  # fmt: skip
+        return self.status()
 
     # ------------------------------------------------------------------ transfers
 

@@ -23,16 +23,28 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Thin wrapper over ocp.CheckpointManager with items 'params', 'opt_state', 'meta'."""
+    """Thin wrapper over ocp.CheckpointManager with items 'params', 'opt_state', 'meta'.
+
+    The manager is made on first use: making one initialises a JAX backend (orbax asks for the
+    process index), which a Ray run's driver, holding a Checkpointer it never uses, must not
+    do (on a GPU head node it would take device memory beside the actors)."""
 
     def __init__(self, directory: str, keep: int = 2):
         if keep < 1:
             raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
         self.directory = os.path.abspath(directory)
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True),
-        )
+        self.keep = keep
+        self._manager = None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=self.keep,
+                                                     enable_async_checkpointing=True),
+            )  # fmt: skip
+        return self._manager
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
         self.manager.save(
@@ -80,10 +92,12 @@ class Checkpointer:
         return dest
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        if self._manager is not None:  # (none made: nothing written)
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.close()
+        if self._manager is not None:
+            self._manager.close()
 
 
 def _first_line(e: BaseException) -> str:
