@@ -38,6 +38,19 @@ def test_paper_table_compares_like_for_like():
     assert any("admission" in a for a in sc["assumptions"])  # the assumptions travel with it
 
 
+def test_colocate_step_lengths_add_up_per_step():
+    res = last_json(["benchmarks/colocate_step.py", "--steps", "3", "--carry", "1.0:1,0.5:2"])
+    assert res["timeout_h"] == 4.0 and [r["close_share"] for r in res["rows"]] == [1.0, 0.5]
+    for r in res["rows"]:
+        # Colocate: every cell plays one role at a time, so a step's time splits between them.
+        both = r["train_role_per_step_h"] + r["rollout_role_per_step_h"]
+        assert both == pytest.approx(r["mean_step_h"], rel=0.05), r
+        assert r["min_step_h"] <= r["median_step_h"] <= max(r["mean_step_h"], r["median_step_h"])
+        assert 0 <= r["timeout_share"] <= 1
+    assert res["below_timeout"] == [r["close_share"] for r in res["rows"]
+                                    if r["mean_step_h"] < res["timeout_h"]]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_regimes_map_writes_its_grid_and_picture(tmp_path):
     out = tmp_path / "regimes.png"
