@@ -104,8 +104,8 @@ def _group(atoms, cap: int) -> list[tuple[int, int]]:
     return out
 
 
-def split_row(leave_T, block: int = 128, prefix: int | None = None,
-              length: int | None = None) -> Schedule:  # fmt: skip
+def split_row(leave_T, block: int = 128, prefix: int | None = None, length: int | None = None,
+              prefix_pad: int | None = None, branch_pad: int | None = None) -> Schedule:  # fmt: skip
     """The schedule of a row with subtree ends ``leave_T`` (int[T]).
 
     ``prefix``: the prefix length; None picks the P that minimises the padded prefix plus
@@ -113,43 +113,60 @@ def split_row(leave_T, block: int = 128, prefix: int | None = None,
     block boundaries), i.e. the peak memory. ``length``: tokens to schedule (default T;
     tokens past it must be padding). Branches are the top-level subtrees after the prefix,
     merged in order while a merged range stays within the largest one's padded length (so
-    padding rows and short branches share a branch slot)."""
+    padding rows and short branches share a branch slot). ``prefix_pad``, ``branch_pad``:
+    fixed static lengths (multiples of ``block``; one compile for many rows) instead of the
+    smallest that hold the prefix and the largest branch."""
     leave_T = np.asarray(leave_T, np.int64)
     t = int(leave_T.size if length is None else length)
     if prefix is None:
-        prefix = best_prefix(leave_T[:t], block)
+        prefix = best_prefix(leave_T[:t], block, prefix_pad, branch_pad)
     if not 0 <= prefix <= t:
         raise ValueError(f"prefix {prefix} outside [0, {t}]")
     atoms = top_subtrees(leave_T, prefix, t)
-    cap = _round(max((b - a for a, b in atoms), default=1), block)
-    branches = tuple(_group(atoms, cap))
-    return Schedule(prefix, branches, block, _round(prefix, block), cap)
+    need = _round(max((b - a for a, b in atoms), default=1), block)
+    cap = need if branch_pad is None else branch_pad
+    pp = _round(prefix, block) if prefix_pad is None else prefix_pad
+    for name, n, have in (("branch", need, cap), ("prefix", prefix, pp)):
+        if have < n or have % block:
+            raise ValueError(f"{name}_pad={have} must be a multiple of the block {block} and "
+                             f"hold {n} tokens")  # fmt: skip
+    return Schedule(prefix, tuple(_group(atoms, cap)), block, pp, cap)
 
 
-def best_prefix(leave_T: np.ndarray, block: int) -> int:
+def best_prefix(leave_T: np.ndarray, block: int, max_prefix: int | None = None,
+                max_branch: int | None = None) -> int:  # fmt: skip
     """The prefix length that minimises padded prefix + padded largest branch (ties: the
-    shorter prefix). Candidates: 0, every token with two or more children (just past it)
-    and block boundaries, so a long chain trunk is cut where its branches begin."""
+    shorter prefix), with at most ``max_prefix`` tokens and no top-level subtree after it
+    over ``max_branch``. Candidates: 0, every token with two or more children (just past
+    it) and block boundaries, so a long chain trunk is cut where its branches begin."""
     t = leave_T.size
     ends = leave_T
     # a token with >= 2 children: its first child's subtree ends before its own does
     first_child_end = np.where(np.arange(t) + 1 < t, np.r_[ends[1:], 0], 0)
     branchy = np.flatnonzero((ends > np.arange(t) + 1) & (first_child_end < ends))
     cands = sorted({0, t, *(branchy + 1).tolist(), *range(0, t, block)})
-    best, best_cost = 0, None
+    best, best_cost = None, None
     for p in cands:
-        sizes = [b - a for a, b in top_subtrees(leave_T, p, t)]
-        cost = _round(p, block) * (p > 0) + _round(max(sizes, default=1), block)
+        if max_prefix is not None and p > max_prefix:
+            continue
+        largest = max((b - a for a, b in top_subtrees(leave_T, p, t)), default=1)
+        if max_branch is not None and largest > max_branch:
+            continue
+        cost = _round(p, block) * (p > 0) + _round(largest, block)
         if best_cost is None or cost < best_cost:
             best, best_cost = p, cost
+    if best is None:
+        raise ValueError(f"no prefix of at most {max_prefix} tokens leaves every branch within "
+                         f"{max_branch} tokens")  # fmt: skip
     return best
 
 
-def schedule_row(row: dict, sched: Schedule) -> dict:
+def schedule_row(row: dict, sched: Schedule, n_branches: int | None = None) -> dict:
     """Host arrays of one row's schedule from its packed fields (each [T], the schema's device
     fields): {'prefix': fields [Pp] (leave clipped to the prefix), 'branch': fields [N, Bp],
     'ctx_idx' [Pp], 'ctx_leave' [Pp], 'idx' [N, Bp], 'own_leave' [N, Bp]} (int32 indices in
-    the row's own numbering; padding keys have leave 0: never seen)."""
+    the row's own numbering; padding keys have leave 0: never seen). ``n_branches``: a fixed
+    branch count (>= the schedule's; the rest are all padding and add nothing)."""
     names = schema.device_names()
     row = {k: np.asarray(row[k]) for k in names}
     p, pp, bp = sched.prefix, sched.prefix_pad, sched.branch_pad
@@ -163,7 +180,9 @@ def schedule_row(row: dict, sched: Schedule) -> dict:
     pre["leave"][:p] = np.minimum(leave[:p], p)  # the prefix forward's own tree mask
     ctx_idx = np.arange(pp, dtype=np.int32)
     ctx_leave = np.where(np.arange(pp) < p, np.r_[leave[:p], np.zeros(pp - p)], 0).astype(np.int32)
-    n = max(len(sched.branches), 1)
+    n = max(len(sched.branches), 1) if n_branches is None else n_branches
+    if n < len(sched.branches):
+        raise ValueError(f"n_branches={n} < the schedule's {len(sched.branches)} branches")
     br = {k: v.copy() for k, v in schema.empty(n, bp, names).items()}
     idx = np.full((n, bp), -1, np.int32)
     own_leave = np.zeros((n, bp), np.int32)
@@ -175,8 +194,9 @@ def schedule_row(row: dict, sched: Schedule) -> dict:
         idx[i, : b - a] = np.arange(a, b)
         own_leave[i, : b - a] = leave[a:b]
     return {"prefix": pre, "branch": br, "ctx_idx": ctx_idx, "ctx_leave": ctx_leave,
-            "idx": idx, "own_leave": own_leave, "start": np.asarray(
-                [a for a, _ in sched.branches] or [p], np.int32)}  # fmt: skip
+            "idx": idx, "own_leave": own_leave,
+            "start": np.asarray([a for a, _ in sched.branches] + [p] * (n - len(sched.branches)),
+                                np.int32)}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- context attention
@@ -386,6 +406,12 @@ def _logprobs(model, h_par_N, tokens_N, has_parent_N, chunk):
     pred = jnp.where(has_parent_N, jnp.arange(tokens_N.shape[0]), -1)
     return tloss.head_logprobs(h_par_N[None], head, tokens_N[None], pred[None], chunk=chunk,
                                dtype=jnp.dtype(spec.dtype), sample_vocab=spec.sample_vocab)  # fmt: skip
+
+
+def combine_host(values, key: str) -> float:
+    """One metric over rows (host floats): the max for MAX metrics, else the sum."""
+    values = [float(v) for v in values]
+    return max(values) if schema.metric_kind(key) == schema.MAX else sum(values)
 
 
 def _combine(a: dict, b: dict) -> dict:
