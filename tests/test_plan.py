@@ -62,3 +62,40 @@ def test_cli_prints_the_table_and_a_json_line():
     lines = out.stdout.strip().splitlines()
     assert "memory plan per device" in lines[0] and lines[-2] == "memory plan: fits"
     assert json.loads(lines[-1])["fits"] is True
+
+
+def test_auto_rows_is_the_largest_count_that_fits(tiny_plan, monkeypatch):
+    """The search (doubling, then bisection over multiples of the 'data' shards) against a
+    plan whose train total grows by a known amount per row."""
+    specs, _ = tiny_plan
+    cell = memory_plan.plan_cell(specs)
+    data = cell.mesh.shape["data"]
+    calls = []
+
+    def terms(s, cell, tree=None):
+        calls.append(s.trainer.rows_per_microbatch)
+        return (memory_plan.Term("fixed", 100.0, ""),
+                memory_plan.Term("rows", 10.0 * s.trainer.rows_per_microbatch, ""))  # fmt: skip
+
+    monkeypatch.setattr(memory_plan, "train_terms", terms)
+    for budget, want in ((100 + 10 * 7, 6), (100 + 10 * 2, 2), (100 + 10 * 1, 0),
+                         (1e9, 64)):  # fmt: skip
+        calls.clear()
+        got = memory_plan.auto_rows(specs, budget / 0.9, 0.1, cell)
+        assert got == (want // data) * data, (budget, got)
+        assert all(r % data == 0 for r in calls) and len(calls) <= 16
+
+
+@pytest.mark.slow
+def test_a_tree_row_under_the_schedule_plans_less_than_under_the_mask(tiny_plan):
+    specs, _ = tiny_plan
+    mask = memory_plan.plan(specs, 1e9, tree=memory_plan.TreeRow(2048))
+    sched = memory_plan.plan(specs, 1e9, tree=memory_plan.TreeRow(2048, 256, 256))
+
+    def temps(p):
+        (t,) = [t for t in p.roles[0].terms if t.name.startswith("gradient program: temp")]
+        return t
+
+    assert "mask" in temps(mask).name and "schedule 256+7x256" in temps(sched).name
+    assert temps(sched).bytes < temps(mask).bytes
+    assert "tree 2048, schedule" in sched.table()

@@ -488,3 +488,43 @@ def row_grads(graphdef, params, srow: dict, loss_spec, version_now, *, objective
     (g_pre,) = prefix_vjp((g_h.astype(h_P.dtype), g_k.astype(k_P.dtype), g_v.astype(v_P.dtype)))
     grads = jax.tree.map(lambda a, b, c: (a + b + c).astype(a.dtype), g_pre, f32(g_head), g_p)
     return grads, metrics
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def abstract_row(prefix_pad: int, branch_pad: int, n_branches: int, sharding=None) -> dict:
+    """ShapeDtypeStructs of :func:`schedule_row`'s output for these static lengths (for a
+    memory plan: nothing allocated)."""
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    fields = {f.name: f for f in schema.fields() if f.name in schema.device_names()}
+    i32 = np.int32
+    return {
+        "prefix": {k: sds((prefix_pad,), f.dtype) for k, f in fields.items()},
+        "branch": {k: sds((n_branches, branch_pad), f.dtype) for k, f in fields.items()},
+        "ctx_idx": sds((prefix_pad,), i32), "ctx_leave": sds((prefix_pad,), i32),
+        "idx": sds((n_branches, branch_pad), i32), "own_leave": sds((n_branches, branch_pad), i32),
+        "start": sds((n_branches,), i32),
+    }  # fmt: skip
+
+
+@functools.cache
+def schedule_program(graphdef, spec, objective, loss_spec, mesh, remat="none", logits_chunk=0):
+    """The jitted tree-schedule gradient program of one cell: (params, scheduled row,
+    version) -> (grads, metric sums); parameters in the cell's 'train' layout (as
+    ``step.gradient_program``'s), the row replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gyre import mesh as gmesh
+
+    p_sh = decoder.state_shardings(spec, gmesh.Cell(-1, mesh), "train")
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def fn(params, srow, version_now):
+        return row_grads(graphdef, params, srow, loss_spec, version_now, objective=objective,
+                         remat=remat, logits_chunk=logits_chunk)  # fmt: skip
+
+    return jax.jit(fn, in_shardings=(p_sh, rep, rep), out_shardings=(p_sh, rep))
