@@ -182,6 +182,43 @@ def _ctx_value_and_grad(q, k, v, lv, w, cut, block):
     return jax.value_and_grad(ctx, (0, 1, 2))(q, k, v)
 
 
+def hand_made_row(rng, t=64):
+    """A prefix chain of 10 tokens, then three branches off its last token: a chain, a chain
+    that branches again (a retry inside it), a one-token branch; then padding."""
+    parent = list(range(-1, 9))  # tokens 0-9: the prefix chain
+    parent += [9] + list(range(10, 21))  # 10-21: a chain off 9
+    parent += [9] + list(range(22, 29)) + [25] + list(range(30, 34))  # 22-34: retry at 25
+    parent += [9]  # 35: a one-token branch
+    n = len(parent)
+    row = {k: v[0] for k, v in schema.empty(1, t, schema.device_names()).items()}
+    leave = np.arange(1, t + 1)
+    for j in range(n - 1, 0, -1):
+        if parent[j] >= 0:
+            leave[parent[j]] = max(leave[parent[j]], leave[j])
+    depth = [0] * n
+    for j in range(1, n):
+        depth[j] = depth[parent[j]] + 1
+    gen = rng.random(n) < 0.7
+    row["tokens"][:n] = rng.integers(0, 32, n)
+    row["pos"][:n], row["leave"], row["pred"][:n] = depth, leave, parent
+    row["old_logp"][:n] = -rng.exponential(3.0, n)
+    row["w"][:n] = np.where(gen, rng.uniform(0.1, 1.0, n), 0.0)
+    row["adv_pos"][:n] = row["w"][:n] * np.where(rng.random(n) < 0.5, 1.0, 0.0)
+    row["adv_neg"][:n] = -row["w"][:n] * (row["adv_pos"][:n] == 0)
+    row["versions"][:n] = np.where(gen, rng.integers(0, 2, n), -1)
+    return row
+
+
+@pytest.mark.slow
+def test_schedule_equals_mask_on_a_hand_made_row(setup):
+    row = hand_made_row(np.random.default_rng(0))
+    # top-level subtrees [10, 22), [22, 35), [35, 36), then padding, merged up to 32 tokens
+    sched = ts.split_row(row["leave"], block=32, prefix=10)
+    assert sched.branches == ((10, 42), (42, 64))
+    rows = {k: v[None] for k, v in row.items()}
+    assert_same(schedule_grads(setup, rows, prefix=10), mask_grads(setup, rows))
+
+
 @pytest.mark.slow
 def test_schedule_equals_mask_and_flat_on_agent_trees(setup):
     tree, flat = agent_batches(setup)
