@@ -272,3 +272,20 @@ def test_kl_is_refused(setup):
     spec = dataclasses.replace(specs.trainer.loss, kl_coef=0.1)
     with pytest.raises(NotImplementedError, match="kl_coef"):
         ts.row_grads(graphdef, params, srow, spec, 0)
+
+
+@pytest.mark.slow
+def test_trainer_with_the_tree_schedule_equals_the_mask(setup):
+    """train.tree_schedule in the Trainer: a micro-batch's gradient and metric sums equal the
+    mask program's (rows bucketed, padding rows left out)."""
+    specs, graphdef, params = setup
+    tree, _ = agent_batches(setup, seed=2)
+    cells = make_cells(1)[:1]
+    mb = tstep.split_microbatches(tree, 4)[0]  # 2 tree rows and 2 padding rows
+    plain = tstep.Trainer(specs.trainer, cells, graphdef, params, version=VERSION)
+    spec = dataclasses.replace(specs.trainer, tree_schedule=True)
+    scheduled = tstep.Trainer(spec, cells, graphdef, params, version=VERSION)
+    a, b = scheduled.compute_grads(cells[0], mb), plain.compute_grads(cells[0], mb)
+    assert_same((a.grads, a.metrics), (b.grads, b.metrics))
+    with pytest.raises(ValueError, match="kl_coef"):
+        dataclasses.replace(spec, loss=dataclasses.replace(spec.loss, kl_coef=0.1))
