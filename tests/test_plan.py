@@ -65,25 +65,27 @@ def test_cli_prints_the_table_and_a_json_line():
 
 
 def test_auto_rows_is_the_largest_count_that_fits(tiny_plan, monkeypatch):
-    """The search (doubling, then bisection over multiples of the 'data' shards) against a
-    plan whose train total grows by a known amount per row."""
+    """The search (a linear guess from two plans, then bisection over multiples of the 'data'
+    shards) against plans whose train total grows by a known amount per row: linearly, and
+    faster than linearly (the guess is then too high and the bisection finds the answer)."""
     specs, _ = tiny_plan
     cell = memory_plan.plan_cell(specs)
     data = cell.mesh.shape["data"]
     calls = []
+    for grow in (lambda r: 10.0 * r, lambda r: 10.0 * r + r * r):
 
-    def terms(s, cell, tree=None):
-        calls.append(s.trainer.rows_per_microbatch)
-        return (memory_plan.Term("fixed", 100.0, ""),
-                memory_plan.Term("rows", 10.0 * s.trainer.rows_per_microbatch, ""))  # fmt: skip
+        def terms(s, cell, tree=None, grow=grow):
+            calls.append(s.trainer.rows_per_microbatch)
+            return (memory_plan.Term("fixed", 100.0, ""),
+                    memory_plan.Term("rows", grow(s.trainer.rows_per_microbatch), ""))  # fmt: skip
 
-    monkeypatch.setattr(memory_plan, "train_terms", terms)
-    for budget, want in ((100 + 10 * 7, 6), (100 + 10 * 2, 2), (100 + 10 * 1, 0),
-                         (1e9, 64)):  # fmt: skip
-        calls.clear()
-        got = memory_plan.auto_rows(specs, budget / 0.9, 0.1, cell)
-        assert got == (want // data) * data, (budget, got)
-        assert all(r % data == 0 for r in calls) and len(calls) <= 16
+        monkeypatch.setattr(memory_plan, "train_terms", terms)
+        for budget in (100 + grow(7), 100 + grow(2), 100 + grow(1), 100 + grow(40), 1e9):
+            calls.clear()
+            got = memory_plan.auto_rows(specs, budget / 0.9, 0.1, cell)
+            fitting = [r for r in range(data, 65, data) if 100 + grow(r) <= budget * (1 + 1e-9)]
+            assert got == max(fitting, default=0), (budget, got)
+            assert all(r % data == 0 for r in calls) and len(set(calls)) <= 8
 
 
 @pytest.mark.slow

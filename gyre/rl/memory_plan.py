@@ -324,24 +324,37 @@ def auto_rows(specs, device_memory: float, headroom: float = 0.1, cell=None,
               most: int = 64) -> int:  # fmt: skip
     """``train.rows_per_microbatch: auto``: the largest count (a multiple of the cell's
     'data' shards, at most ``most``) whose train plan fits; 0 when not even the smallest
-    does. Doubling, then bisection: about 2 log2(answer) compiles of the gradient program."""
+    does. The train total is near linear in the rows: two compiles (one and two shards'
+    worth of rows) give a guess, and a bisection between counts known to fit and not to
+    fit checks it (the guess and its neighbour: usually four compiles in all)."""
     cell = plan_cell(specs) if cell is None else cell
     step_ = cell.mesh.shape["data"]
+    usable = device_memory * (1 - headroom)
+    seen = {}
 
-    def fits(rows: int) -> bool:
-        t = dataclasses.replace(specs.trainer, rows_per_microbatch=rows)
-        tr = dataclasses.replace(specs.trajectory, rows_per_microbatch=rows)
-        s = dataclasses.replace(specs, trainer=t, trajectory=tr)
-        total = sum(term.bytes for term in train_terms(s, cell))
-        return total <= device_memory * (1 - headroom)
+    def total(rows: int) -> float:
+        if rows not in seen:
+            t = dataclasses.replace(specs.trainer, rows_per_microbatch=rows)
+            tr = dataclasses.replace(specs.trajectory, rows_per_microbatch=rows)
+            s = dataclasses.replace(specs, trainer=t, trajectory=tr)
+            seen[rows] = sum(term.bytes for term in train_terms(s, cell))
+        return seen[rows]
 
-    lo, hi = 0, step_
-    while hi <= most and fits(hi):  # lo fits (or is 0), hi is the next to try
-        lo, hi = hi, hi * 2
-    hi = min(hi, most + step_)
-    while hi - lo > step_:  # lo fits, hi does not
+    if total(step_) > usable:
+        return 0
+    if 2 * step_ > most:
+        return step_
+    slope = max(total(2 * step_) - total(step_), 1.0) / step_
+    guess = int(step_ + (usable - total(step_)) // slope) // step_ * step_
+    guess = max(step_, min(guess, most // step_ * step_))
+    lo, hi = step_, most // step_ * step_ + step_  # lo fits; hi is past every candidate
+    for probe in (guess, guess + step_):
+        if probe <= lo or probe >= hi:
+            continue
+        lo, hi = (probe, hi) if total(probe) <= usable else (lo, probe)
+    while hi - lo > step_:  # lo fits, hi does not (or is past ``most``)
         mid = (lo + hi) // 2 // step_ * step_
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if total(mid) <= usable else (lo, mid)
     return lo
 
 
