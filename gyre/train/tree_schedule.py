@@ -21,7 +21,13 @@ for any tree: a branch that branches again (a retry inside a sub-agent, say) run
 the tree mask inside it. Memory is then bounded by the prefix plus the largest such branch;
 for the wide agent trees this targets (a shared prefix and many chains) that is the longest
 root-to-leaf path, padded to blocks. Branches of branches are not split again (no second
-level of prefix); a range that is not closed is refused with a ValueError.
+level of prefix); a range that is not closed is refused with a ValueError. A row holding
+several trees (executions binned together, padding) is split the same way: each tree after
+the prefix is a top-level subtree.
+
+Memory beyond the path's: the branch gradient and its float32 accumulator (two float32
+copies of the parameters' gradient) and the prefix's K/V with their float32 cotangent
+(benchmarks/tree_schedule.py measures it; BENCH_35.md).
 
 Branch attention (:func:`context_attention`) is flash-style with its own custom VJP: the
 branch's queries against [prefix keys; own keys] with query q seeing key k iff
