@@ -134,13 +134,8 @@ def test_split_row_cuts_at_subtree_boundaries():
         ts.schedule_row(row, bad)
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
-@given(st.integers(0, 10_000))
-def test_context_attention_equals_the_dense_tree_mask(seed):
-    """A branch's queries against [its row's keys]: the dense mask's output and gradients."""
-    rng = np.random.default_rng(seed)
-    t, block, cut = 64, 16, 32
-    # a random DFS tree: each token's parent is one of its predecessor's ancestors (or none)
+def random_leave(rng, t):
+    """Subtree ends of a random DFS-ordered forest of ``t`` tokens."""
     parent = [-1]
     for j in range(1, t):
         chain, a = [], j - 1
@@ -152,6 +147,34 @@ def test_context_attention_equals_the_dense_tree_mask(seed):
     for j in range(t - 1, 0, -1):
         if parent[j] >= 0:
             leave[parent[j]] = max(leave[parent[j]], leave[j])
+    return leave
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.integers(0, 10_000), st.integers(1, 200), st.sampled_from([4, 16]))
+def test_best_prefix_minimises_the_peak_over_every_prefix(seed, t, block):
+    """Against walking the top-level subtrees after every prefix length (not only the
+    candidates): no prefix has a smaller padded prefix + largest branch."""
+    leave = random_leave(np.random.default_rng(seed), t)
+
+    def cost(p):
+        big = max((b - a for a, b in ts.top_subtrees(leave, p, t)), default=1)
+        return ts._round(p, block) * (p > 0) + ts._round(big, block)
+
+    assert cost(ts.best_prefix(leave, block)) == min(cost(p) for p in range(t + 1))
+    sched = ts.split_row(leave, block)
+    for a, b in sched.branches:
+        ts.check_closed(leave, a, b)
+    assert [r for br in sched.branches for r in range(*br)] == list(range(sched.prefix, t))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(st.integers(0, 10_000))
+def test_context_attention_equals_the_dense_tree_mask(seed):
+    """A branch's queries against [its row's keys]: the dense mask's output and gradients."""
+    rng = np.random.default_rng(seed)
+    t, block, cut = 64, 16, 32
+    leave = random_leave(rng, t)  # each token's parent: an ancestor of its predecessor
     q, k, v = (jnp.asarray(rng.normal(size=(1, t, h, 8)), jnp.float32) for h in (4, 2, 2))
     w = jnp.asarray(rng.normal(size=(1, t - cut, 4, 8)), jnp.float32)
     lv = jnp.asarray(leave[None], jnp.int32)

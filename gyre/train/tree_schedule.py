@@ -151,14 +151,21 @@ def best_prefix(leave_T: np.ndarray, block: int, max_prefix: int | None = None,
     first_child_end = np.where(np.arange(t) + 1 < t, np.r_[ends[1:], 0], 0)
     branchy = np.flatnonzero((ends > np.arange(t) + 1) & (first_child_end < ends))
     cands = sorted({0, t, *(branchy + 1).tolist(), *range(0, t, block)})
+    # largest[a]: the largest top-level subtree of [a, t) (subtrees chain a -> leave[a]),
+    # right to left once, instead of walking the chain for every candidate
+    largest = [0] * (t + 1)
+    ends_l = np.minimum(ends, t).tolist()
+    for a in range(t - 1, -1, -1):
+        b = ends_l[a] if ends_l[a] > a else a + 1
+        largest[a] = max(b - a, largest[b])
     best, best_cost = None, None
     for p in cands:
         if max_prefix is not None and p > max_prefix:
             continue
-        largest = max((b - a for a, b in top_subtrees(leave_T, p, t)), default=1)
-        if max_branch is not None and largest > max_branch:
+        big = max(largest[p], 1)
+        if max_branch is not None and big > max_branch:
             continue
-        cost = _round(p, block) * (p > 0) + _round(largest, block)
+        cost = _round(p, block) * (p > 0) + _round(big, block)
         if best_cost is None or cost < best_cost:
             best, best_cost = p, cost
     if best is None:
