@@ -141,8 +141,9 @@ def plan_cell(specs) -> gmesh.Cell:
 class TreeRow:
     """One long tree row to plan instead of ``rows_per_microbatch`` rows of ``row_len``.
 
-    tokens: the row's length. branch = 0: the tree mask (one row of ``tokens`` through the
-    gradient program). branch > 0: the tree schedule (gyre/train/tree_schedule.py): a
+    tokens: the row's length. branch = 0: the tree mask (a row of ``tokens`` per 'data'
+    shard through the gradient program). branch > 0: the tree schedule
+    (gyre/train/tree_schedule.py; the row replicated over the cell): a
     prefix of ``prefix`` tokens, then ceil((tokens - prefix) / branch) branches of ``branch``
     tokens each (lengths rounded up to the attention block)."""
 
@@ -187,12 +188,13 @@ def _schedule_terms(specs, cell, tree: TreeRow, params, p_sh, use_ref):
 def train_terms(specs, cell, tree: TreeRow | None = None) -> tuple[Term, ...]:
     """The train role's terms; ``tree``: plan one long tree row instead (:class:`TreeRow`)."""
     t, model = specs.trainer, specs.model
-    if tree is not None and not tree.schedule:  # the mask: one row of the tree's length
-        rl = -(-tree.tokens // 128) * 128
+    if tree is not None and not tree.schedule:
+        # the mask: one row of the tree's length per 'data' shard (one per device's share)
+        rl, n = -(-tree.tokens // 128) * 128, cell.mesh.shape["data"]
         specs = dataclasses.replace(
             specs, trajectory=dataclasses.replace(specs.trajectory, row_len=rl,
-                                                  rows_per_microbatch=1),
-            trainer=dataclasses.replace(t, rows_per_microbatch=1))  # fmt: skip
+                                                  rows_per_microbatch=n),
+            trainer=dataclasses.replace(t, rows_per_microbatch=n))  # fmt: skip
         t = specs.trainer
     graphdef, abstract = decoder.abstract_model(model, specs.seed)
     p_sh = decoder.state_shardings(model, cell, "train")
