@@ -3,6 +3,11 @@
     python -m gyre.plan --config=experiments/qwen3_code.py --device_memory=80GB
     python -m gyre.plan --config=experiments/qwen3_code.py --device_memory=80GB \
         --shapes=qwen3-0.6b --config.train.remat=full --json
+    # one tree row of 128K tokens: the tree mask, or the tree schedule (8K prefix, 8K branches)
+    python -m gyre.plan --config=experiments/qwen3_code.py --shapes=qwen3-0.6b \
+        --config.train.remat=full --tree_row=131072 [--tree_prefix=8192 --tree_branch=8192]
+    # and the largest train.rows_per_microbatch that fits (a few more compiles)
+    python -m gyre.plan --config=experiments/qwen3_code.py --shapes=qwen3-0.6b --auto_rows
 
 Compiles the gradient, update and rollout programs of one cell abstractly (nothing is
 allocated, nothing is written, no checkpoint is read when ``--shapes`` gives the architecture)

@@ -245,6 +245,22 @@ def plan_main(argv=None) -> int:
     shapes_flag = flags.DEFINE_string("shapes", "", f"An architecture by name: {tuple(SHAPES)}.")
     headroom_flag = flags.DEFINE_float("headroom", 0.1, "Share of device memory kept free.")
     json_flag = flags.DEFINE_bool("json", False, "Print only the JSON line.")
+    tree_flag = flags.DEFINE_integer(
+        "tree_row",
+        0,
+        "Plan one tree row of this many tokens instead of the config's micro-batch rows.",
+    )
+    prefix_flag = flags.DEFINE_integer(
+        "tree_prefix", 0, "With --tree_branch: the schedule's shared prefix (tokens)."
+    )
+    branch_flag = flags.DEFINE_integer(
+        "tree_branch", 0, "The tree schedule's branch length (tokens); 0: the tree mask."
+    )
+    auto_flag = flags.DEFINE_bool(
+        "auto_rows",
+        False,
+        "Also print the largest train.rows_per_microbatch that fits (several compiles).",
+    )
     flags.FLAGS(sys.argv if argv is None else argv)
     cfg = cfg_flag.value
     if cfg is None:
@@ -281,9 +297,18 @@ def plan_main(argv=None) -> int:
                                     rollout=dataclasses.replace(specs.rollout, model=model))  # fmt: skip
     from gyre.rl import memory_plan
 
-    p = memory_plan.plan(specs, memory, headroom_flag.value, cell)
+    tree = None
+    if tree_flag.value:
+        tree = memory_plan.TreeRow(tree_flag.value, prefix_flag.value, branch_flag.value)
+    p = memory_plan.plan(specs, memory, headroom_flag.value, cell, tree=tree)
+    out = p.as_dict()
+    if auto_flag.value:
+        out["auto_rows_per_microbatch"] = memory_plan.auto_rows(specs, memory,
+                                                                headroom_flag.value, cell)  # fmt: skip
     if not json_flag.value:
         print(p.table())
         print(p.refusal() if not p.fits else "memory plan: fits")
-    print(json.dumps(p.as_dict(), sort_keys=True))
+        if auto_flag.value:
+            print(f"train.rows_per_microbatch=auto: {out['auto_rows_per_microbatch']}")
+    print(json.dumps(out, sort_keys=True))
     return 0 if p.fits else 1

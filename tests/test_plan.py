@@ -62,3 +62,42 @@ def test_cli_prints_the_table_and_a_json_line():
     lines = out.stdout.strip().splitlines()
     assert "memory plan per device" in lines[0] and lines[-2] == "memory plan: fits"
     assert json.loads(lines[-1])["fits"] is True
+
+
+def test_auto_rows_is_the_largest_count_that_fits(tiny_plan, monkeypatch):
+    """The search (a linear guess from two plans, then bisection over multiples of the 'data'
+    shards) against plans whose train total grows by a known amount per row: linearly, and
+    faster than linearly (the guess is then too high and the bisection finds the answer)."""
+    specs, _ = tiny_plan
+    cell = memory_plan.plan_cell(specs)
+    data = cell.mesh.shape["data"]
+    calls = []
+    for grow in (lambda r: 10.0 * r, lambda r: 10.0 * r + r * r):
+
+        def terms(s, cell, tree=None, grow=grow):
+            calls.append(s.trainer.rows_per_microbatch)
+            return (memory_plan.Term("fixed", 100.0, ""),
+                    memory_plan.Term("rows", grow(s.trainer.rows_per_microbatch), ""))  # fmt: skip
+
+        monkeypatch.setattr(memory_plan, "train_terms", terms)
+        for budget in (100 + grow(7), 100 + grow(2), 100 + grow(1), 100 + grow(40), 1e9):
+            calls.clear()
+            got = memory_plan.auto_rows(specs, budget / 0.9, 0.1, cell)
+            fitting = [r for r in range(data, 65, data) if 100 + grow(r) <= budget * (1 + 1e-9)]
+            assert got == max(fitting, default=0), (budget, got)
+            assert all(r % data == 0 for r in calls) and len(set(calls)) <= 8
+
+
+@pytest.mark.slow
+def test_a_tree_row_under_the_schedule_plans_less_than_under_the_mask(tiny_plan):
+    specs, _ = tiny_plan
+    mask = memory_plan.plan(specs, 1e9, tree=memory_plan.TreeRow(2048))
+    sched = memory_plan.plan(specs, 1e9, tree=memory_plan.TreeRow(2048, 256, 256))
+
+    def temps(p):
+        (t,) = [t for t in p.roles[0].terms if t.name.startswith("gradient program: temp")]
+        return t
+
+    assert "mask" in temps(mask).name and "schedule 256+7x256" in temps(sched).name
+    assert temps(sched).bytes < temps(mask).bytes
+    assert "tree 2048, schedule" in sched.table()

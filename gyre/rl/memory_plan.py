@@ -38,6 +38,7 @@ from gyre.rollout.programs import kv_blocks
 from gyre.train import loss as tloss
 from gyre.train import optimizer as topt
 from gyre.train import step as tstep
+from gyre.train import tree_schedule as tsched
 from gyre.trajectory import schema
 
 GB = 1e9
@@ -136,8 +137,65 @@ def plan_cell(specs) -> gmesh.Cell:
     return gmesh.make_cells(m.cell_size, m.model_parallel, devices[: m.cell_size])[0]
 
 
-def train_terms(specs, cell) -> tuple[Term, ...]:
+@dataclasses.dataclass(frozen=True)
+class TreeRow:
+    """One long tree row to plan instead of ``rows_per_microbatch`` rows of ``row_len``.
+
+    tokens: the row's length. branch = 0: the tree mask (a row of ``tokens`` per 'data'
+    shard through the gradient program). branch > 0: the tree schedule
+    (gyre/train/tree_schedule.py; the row replicated over the cell): a
+    prefix of ``prefix`` tokens, then ceil((tokens - prefix) / branch) branches of ``branch``
+    tokens each (lengths rounded up to the attention block)."""
+
+    tokens: int
+    prefix: int = 0
+    branch: int = 0
+
+    @property
+    def schedule(self) -> bool:
+        return self.branch > 0
+
+    def shapes(self, block: int) -> tuple[int, int, int]:
+        """(prefix_pad, branch_pad, n_branches) of the schedule."""
+        up = lambda n: max(block, -(-n // block) * block)  # noqa: E731
+        return up(self.prefix), up(self.branch), max(1, -(-(self.tokens - self.prefix)
+                                                         // self.branch))  # fmt: skip
+
+    def label(self) -> str:
+        if not self.schedule:
+            return f"tree {self.tokens}, mask"
+        pp, bp, n = self.shapes(128)
+        return f"tree {self.tokens}, schedule {self.prefix}+{n}x{self.branch}"
+
+
+def _schedule_terms(specs, cell, tree: TreeRow, params, p_sh, use_ref):
+    """(gradient output bytes, temporaries, batch bytes) of the tree-schedule program."""
     t, model = specs.trainer, specs.model
+    if use_ref:
+        raise ConfigError("the tree schedule does not compute the KL term: plan it with "
+                          "train.kl_coef=0")  # fmt: skip
+    graphdef, _ = decoder.abstract_model(model, specs.seed)
+    rep = NamedSharding(cell.mesh, PartitionSpec())
+    pp, bp, n = tree.shapes(model.attn_block)
+    srow = tsched.abstract_row(pp, bp, n, rep)
+    program = tsched.schedule_program(graphdef, model, t.objective, t.loss, cell.mesh, t.remat,
+                                      t.logits_chunk)  # fmt: skip
+    m = program.lower(params, srow, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+                      ).compile().memory_analysis()  # fmt: skip
+    return float(m.output_size_in_bytes), float(m.temp_size_in_bytes), _shard_bytes(srow)
+
+
+def train_terms(specs, cell, tree: TreeRow | None = None) -> tuple[Term, ...]:
+    """The train role's terms; ``tree``: plan one long tree row instead (:class:`TreeRow`)."""
+    t, model = specs.trainer, specs.model
+    if tree is not None and not tree.schedule:
+        # the mask: one row of the tree's length per 'data' shard (one per device's share)
+        rl, n = -(-tree.tokens // 128) * 128, cell.mesh.shape["data"]
+        specs = dataclasses.replace(
+            specs, trajectory=dataclasses.replace(specs.trajectory, row_len=rl,
+                                                  rows_per_microbatch=n),
+            trainer=dataclasses.replace(t, rows_per_microbatch=n))  # fmt: skip
+        t = specs.trainer
     graphdef, abstract = decoder.abstract_model(model, specs.seed)
     p_sh = decoder.state_shardings(model, cell, "train")
     params = _abstract(abstract, p_sh)
@@ -148,17 +206,24 @@ def train_terms(specs, cell) -> tuple[Term, ...]:
     batch = {f.name: jax.ShapeDtypeStruct((rows, row_len), f.dtype, sharding=rows_sh)
              for f in schema.fields() if f.name in schema.device_names()}  # fmt: skip
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-    program = tstep.gradient_program(graphdef, model, t.objective, t.loss, use_ref, cell.mesh,
-                                     t.remat, t.logits_chunk)  # fmt: skip
-    grad = program.lower(params, params if use_ref else None, batch, version).compile()
-    g = grad.memory_analysis()
+    if tree is not None and tree.schedule:
+        g_out, g_temp, batch_bytes = _schedule_terms(specs, cell, tree, params, p_sh, use_ref)
+        what = tree.label()
+    else:
+        program = tstep.gradient_program(graphdef, model, t.objective, t.loss, use_ref,
+                                         cell.mesh, t.remat, t.logits_chunk)  # fmt: skip
+        g = program.lower(params, params if use_ref else None, batch, version).compile()
+        g = g.memory_analysis()
+        g_out, g_temp, batch_bytes = (float(g.output_size_in_bytes), float(g.temp_size_in_bytes),
+                                      _shard_bytes(batch))  # fmt: skip
+        what = tree.label() if tree is not None else f"{rows}x{row_len}"
     tx = topt.make_optimizer(t.optimizer)
     opt = topt.abstract_state(tx, params, p_sh, cell.mesh)
     ok = jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep)
     upd = tstep.update_program(t.optimizer).lower(params, opt, params, ok).compile()
     u = upd.memory_analysis()
     weights = _shard_bytes(params)
-    grad_peak = g.output_size_in_bytes + g.temp_size_in_bytes + _shard_bytes(batch)
+    grad_peak = g_out + g_temp + batch_bytes
     more = ("lower train.rows_per_microbatch" if t.remat != "none"
             else f"set train.remat=full (now {t.remat!r}) or lower train.rows_per_microbatch")  # fmt: skip
     mp = "raise mesh.model_parallel or mesh.cell_size"
@@ -170,12 +235,15 @@ def train_terms(specs, cell) -> tuple[Term, ...]:
     if use_ref:
         terms.append(Term("reference weights (train.kl_coef)", weights, "set train.kl_coef=0"))
     if grad_peak >= u.temp_size_in_bytes:
+        setting = (
+            f"{more} (now {rows}) or trajectory.row_len (now {row_len})"
+            if tree is None
+            else "shorter tree rows, the tree schedule, or train.remat=full"
+        )
         terms += [
-            Term("gradient program: gradient out", float(g.output_size_in_bytes), mp),
-            Term(f"gradient program: temporaries ({rows}x{row_len})",
-                 float(g.temp_size_in_bytes),
-                 f"{more} (now {rows}) or trajectory.row_len (now {row_len})"),
-            Term("gradient program: batch", _shard_bytes(batch), "lower train.rows_per_microbatch"),
+            Term("gradient program: gradient out", g_out, mp),
+            Term(f"gradient program: temporaries ({what})", g_temp, setting),
+            Term("gradient program: batch", batch_bytes, "lower train.rows_per_microbatch"),
         ]  # fmt: skip
     else:
         terms.append(Term("update program: temporaries", float(u.temp_size_in_bytes), mp))
@@ -234,8 +302,10 @@ def rollout_terms(specs, cell) -> tuple[Term, ...]:
     )  # fmt: skip
 
 
-def plan(specs, device_memory: float, headroom: float = 0.1, cell=None) -> Plan:
-    """The memory plan of ``specs`` on devices of ``device_memory`` bytes (see the module)."""
+def plan(specs, device_memory: float, headroom: float = 0.1, cell=None,
+         tree: TreeRow | None = None) -> Plan:  # fmt: skip
+    """The memory plan of ``specs`` on devices of ``device_memory`` bytes (see the module);
+    ``tree``: the train role for one long tree row (:class:`TreeRow`) instead."""
     cell = plan_cell(specs) if cell is None else cell
     t = specs.trainer
     settings = {
@@ -245,9 +315,49 @@ def plan(specs, device_memory: float, headroom: float = 0.1, cell=None) -> Plan:
         "vocab": specs.model.vocab_size, "layers": specs.model.num_layers,
         "d_model": specs.model.d_model,
     }  # fmt: skip
-    roles = (RolePlan("train", train_terms(specs, cell)),
+    if tree is not None:
+        settings["tree_row"] = tree.label()
+    roles = (RolePlan("train", train_terms(specs, cell, tree)),
              RolePlan("rollout", rollout_terms(specs, cell)))  # fmt: skip
     return Plan(float(device_memory), headroom, roles, cell.platform, settings)
+
+
+def auto_rows(specs, device_memory: float, headroom: float = 0.1, cell=None,
+              most: int = 64) -> int:  # fmt: skip
+    """``train.rows_per_microbatch: auto``: the largest count (a multiple of the cell's
+    'data' shards, at most ``most``) whose train plan fits; 0 when not even the smallest
+    does. The train total is near linear in the rows: two compiles (one and two shards'
+    worth of rows) give a guess, and a bisection between counts known to fit and not to
+    fit checks it (the guess and its neighbour: usually four compiles in all)."""
+    cell = plan_cell(specs) if cell is None else cell
+    step_ = cell.mesh.shape["data"]
+    usable = device_memory * (1 - headroom)
+    seen = {}
+
+    def total(rows: int) -> float:
+        if rows not in seen:
+            t = dataclasses.replace(specs.trainer, rows_per_microbatch=rows)
+            tr = dataclasses.replace(specs.trajectory, rows_per_microbatch=rows)
+            s = dataclasses.replace(specs, trainer=t, trajectory=tr)
+            seen[rows] = sum(term.bytes for term in train_terms(s, cell))
+        return seen[rows]
+
+    if total(step_) > usable:
+        return 0
+    if 2 * step_ > most:
+        return step_
+    slope = max(total(2 * step_) - total(step_), 1.0) / step_
+    guess = int(step_ + (usable - total(step_)) // slope) // step_ * step_
+    guess = max(step_, min(guess, most // step_ * step_))
+    lo, hi = step_, most // step_ * step_ + step_  # lo fits; hi is past every candidate
+    for probe in (guess, guess + step_):
+        if probe <= lo or probe >= hi:
+            continue
+        lo, hi = (probe, hi) if total(probe) <= usable else (lo, probe)
+    while hi - lo > step_:  # lo fits, hi does not (or is past ``most``)
+        mid = (lo + hi) // 2 // step_ * step_
+        lo, hi = (mid, hi) if total(mid) <= usable else (lo, mid)
+    return lo
 
 
 def device_memory(cell) -> float | None:

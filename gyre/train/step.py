@@ -38,6 +38,7 @@ from gyre import mesh as gmesh
 from gyre.model import decoder
 from gyre.train import loss as tloss
 from gyre.train import optimizer as topt
+from gyre.train import tree_schedule as tsched
 from gyre.trajectory import schema
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,20 @@ class TrainerSpec:
     # Log-probabilities and entropy over the vocabulary in chunks of this many ids
     # (loss.head_logprobs): no [rows, T, vocab] float32 logits; 0 = in one piece.
     logits_chunk: int = 8192
+    # Each row through the tree schedule (gyre/train/tree_schedule.py: prefix forward once,
+    # branches one at a time against its K/V, prefix backward once) instead of the tree mask:
+    # the same gradient, peak memory of the prefix plus one branch. Rows run one at a time,
+    # replicated on the cell; static lengths are bucketed to powers of two (few compiles).
+    tree_schedule: bool = False
 
     def __post_init__(self):
         tloss.objective_loss(self.objective)  # raises for an unknown objective
         if self.remat not in decoder.REMAT_POLICIES:
             raise ValueError(f"train.remat must be one of {tuple(decoder.REMAT_POLICIES)}, "
                              f"got {self.remat!r}")  # fmt: skip
+        if self.tree_schedule and tloss.objective_loss(self.objective).needs_ref(self.loss):
+            raise ValueError("train.tree_schedule does not compute the KL term: set "
+                             "train.kl_coef=0 or turn the tree schedule off")  # fmt: skip
         if self.logits_chunk < 0:
             raise ValueError(f"train.logits_chunk must be >= 0, got {self.logits_chunk}")
         if self.rows_per_microbatch < 1:
@@ -227,6 +236,52 @@ def update_program(spec: topt.OptimizerSpec):
     return jax.jit(fn, donate_argnums=(1, 2))
 
 
+def _bucket(n: int, block: int) -> int:
+    """``n`` rounded up to ``block`` times a power of two (a few static shapes)."""
+    k = max(1, -(-n // block))
+    return block * (1 << (k - 1).bit_length())
+
+
+def schedule_rows(mb: Microbatch, block: int) -> list[dict]:
+    """Each row of ``mb`` with a trainable token as a scheduled row
+    (:func:`tree_schedule.schedule_row`), lengths and branch count bucketed to powers of
+    two; rows without one add nothing to the gradient or the metric sums and are left out."""
+    out = []
+    for r in range(mb.arrays["tokens"].shape[0]):
+        row = {k: np.asarray(v[r]) for k, v in mb.arrays.items()}
+        if not np.any(row["w"] > 0):
+            continue
+        first = tsched.split_row(row["leave"], block)
+        sched = tsched.split_row(row["leave"], block, prefix=first.prefix,
+                                 prefix_pad=_bucket(first.prefix, block),
+                                 branch_pad=_bucket(first.branch_pad, block))  # fmt: skip
+        n = 1 << (max(len(sched.branches), 1) - 1).bit_length()
+        out.append(tsched.schedule_row(row, sched, n))
+    return out
+
+
+def schedule_microbatch_grads(trainer, cell, mb: Microbatch) -> GradResult:
+    """:func:`microbatch_grads` through the tree schedule, row by row (``train.tree_schedule``):
+    the sum of the rows' gradients and their combined metric sums."""
+    s = trainer.spec
+    program = tsched.schedule_program(trainer.graphdef, s.model, s.objective, s.loss, cell.mesh,
+                                      s.remat, s.logits_chunk)  # fmt: skip
+    rep = NamedSharding(cell.mesh, PartitionSpec())
+    params = trainer.params_for(cell)
+    version = jax.device_put(np.int32(trainer.version), rep)
+    grads, metrics = None, None
+    for srow in schedule_rows(mb, s.model.attn_block):
+        g, m = program(params, jax.device_put(srow, rep), version)
+        if grads is None:
+            grads, metrics = g, m
+        else:
+            grads = _ADD(grads, g)
+            metrics = tsched._combine(metrics, m)
+    if grads is None:  # nothing trainable: a zero gradient, the mask program's metrics
+        return microbatch_grads(trainer.program(cell), cell, params, None, mb, trainer.version)
+    return GradResult(grads, metrics, cell.index, list(mb.exec_ids))
+
+
 def microbatch_grads(program, cell, params, ref_params, mb: Microbatch, version: int) -> GradResult:
     """One micro-batch through ``program`` (a :func:`gradient_program` of ``cell``'s mesh) at
     ``params`` (the 'train' layout on ``cell``) -> its gradient on ``cell`` and metric sums."""
@@ -308,8 +363,11 @@ class Trainer:
 
     def compute_grads(self, cell, mb: Microbatch) -> GradResult:
         """Gradient (on ``cell``, 'train' layout) and metric sums of one micro-batch."""
-        res = microbatch_grads(self.program(cell), cell, self.params_for(cell),
-                               self._ref_for(cell), mb, self.version)  # fmt: skip
+        if self.spec.tree_schedule:
+            res = schedule_microbatch_grads(self, cell, mb)
+        else:
+            res = microbatch_grads(self.program(cell), cell, self.params_for(cell),
+                                   self._ref_for(cell), mb, self.version)  # fmt: skip
         self.microbatches_done += 1
         return res
 
