@@ -136,6 +136,9 @@ def default_config() -> ml_collections.ConfigDict:
     # log-probabilities over vocabulary chunks of this many ids (no [rows, T, vocab] float32
     # logits); 0 = in one piece
     c.train.logits_chunk = trainer.logits_chunk
+    # each packed row trained prefix first (gyre/train/tree_schedule.py): the same gradient
+    # as the tree mask, peak memory of the shared prefix plus one branch; no KL term
+    c.train.tree_schedule = trainer.tree_schedule
     c.train.checkpoint_every = run.checkpoint_every
     c.train.keep_checkpoints = run.keep_checkpoints
 

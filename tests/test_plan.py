@@ -14,6 +14,8 @@ from gyre.rl import memory_plan
 from gyre.rl.builder import build_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tests share one compiled plan (the module fixture): one worker makes it once.
+pytestmark = pytest.mark.xdist_group("plan")
 
 
 @pytest.fixture(scope="module")

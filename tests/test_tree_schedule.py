@@ -312,3 +312,15 @@ def test_trainer_with_the_tree_schedule_equals_the_mask(setup):
     assert_same((a.grads, a.metrics), (b.grads, b.metrics))
     with pytest.raises(ValueError, match="kl_coef"):
         dataclasses.replace(spec, loss=dataclasses.replace(spec.loss, kl_coef=0.1))
+
+
+def test_the_config_key_reaches_the_trainer_and_refuses_kl_in_one_line():
+    from gyre.config import ConfigError, validate
+
+    cfg = default_config()
+    cfg.train.tree_schedule = True
+    validate(cfg)
+    assert build_specs(cfg).trainer.tree_schedule
+    cfg.train.kl_coef = 0.1
+    with pytest.raises(ConfigError, match="train.tree_schedule does not compute the KL term"):
+        build_specs(cfg)

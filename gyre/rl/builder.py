@@ -162,6 +162,7 @@ def _build(keys: ConfigKeys) -> Specs:
         seed=seed,
         remat=keys["train.remat"],
         logits_chunk=keys["train.logits_chunk"],
+        tree_schedule=keys["train.tree_schedule"],
     )
     trajectory = keys.pick(TrajectorySpec, "trajectory", vocab_size=model.vocab_size,
                            rows_per_microbatch=rows)  # fmt: skip
