@@ -91,7 +91,7 @@ BOUNDS: dict[str, Bound] = {
     "train.lr": _gt(0), "train.warmup_steps": _ge(0), "train.weight_decay": _ge(0),
     "train.b1": UNIT_OPEN_HI, "train.b2": UNIT_OPEN_HI, "train.grad_clip": _ge(0),
     "train.clip_low": UNIT_OPEN_HI, "train.clip_high": _ge(0), "train.kl_coef": _ge(0),
-    "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(1), "train.max_bad_steps": _ge(0),
+    "train.tis_cap": _ge(0), "train.rows_per_microbatch": _ge(0), "train.max_bad_steps": _ge(0),
     "train.logits_chunk": _ge(0),
     "train.checkpoint_every": _ge(1), "train.keep_checkpoints": _ge(1),
     "rollout.slots": _ge(1), "rollout.max_len": _ge(2), "rollout.prefill_chunk": _ge(1),

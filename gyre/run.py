@@ -143,7 +143,13 @@ def main(cfg, workdir: str, allow_config_change: bool = False, mode: str = "run"
         setup_devices(specs.mesh.cpu_devices)
         if specs.cluster.backend == "local":  # a Ray actor checks its own devices
             mesh.cells_for(specs.mesh)
-            builder.check_memory(specs)  # the memory plan, where devices report their memory
+            # the memory plan, where devices report their memory (and rows_per_microbatch 0)
+            specs = builder.check_memory(specs)
+            if specs.trainer.rows_auto:
+                print(
+                    f"train.rows_per_microbatch auto: {specs.trainer.rows_per_microbatch}"
+                    " (by the memory plan where devices report memory, else the default)"
+                )
         sampled = specs.entry in ("rl", "sft") or evaluating
         try:
             env = builder.environment(specs, with_model=sampled)

@@ -58,7 +58,8 @@ DESCRIPTIONS = {
     "train.clip_high": "PPO ratio clip above 1 (ratio <= 1 + clip_high)",
     "train.kl_coef": "coefficient of the KL penalty to the reference policy; 0 = off",
     "train.rows_per_microbatch": "packed rows per micro-batch (one gradient computation on "
-    "one train cell)",
+    "one train cell); 0 = auto: the largest that fits the devices' memory by the plan "
+    "(`python -m gyre.plan`), the default 4 where devices report none (CPU)",
     "train.max_bad_steps": "non-finite gradients in a row that stop the run (a bad step is "
     "skipped, weights kept)",
     "train.checkpoint_every": "checkpoint every N steps (and after the last, and on a stop "

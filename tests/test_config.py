@@ -82,7 +82,7 @@ def test_int_accepted_for_float():
         ({"rollout.cpu_vector_width": 384}, "rollout.cpu_vector_width"),
         ({"rollout.kv_block": -2}, "rollout.kv_block"),
         ({"env.name": "chess"}, "env.name"),
-        ({"train.rows_per_microbatch": 0}, "train.rows_per_microbatch"),
+        ({"train.rows_per_microbatch": -1}, "train.rows_per_microbatch"),
         ({"train.clip_low": 1.5}, "train.clip_low"),
         ({"run.steps": 0}, "steps"),
     ],

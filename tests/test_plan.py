@@ -103,3 +103,26 @@ def test_a_tree_row_under_the_schedule_plans_less_than_under_the_mask(tiny_plan)
     assert "mask" in temps(mask).name and "schedule 256+7x256" in temps(sched).name
     assert temps(sched).bytes < temps(mask).bytes
     assert "tree 2048, schedule" in sched.table()
+
+
+def test_rows_per_microbatch_zero_is_auto_resolved_by_check_memory(monkeypatch):
+    """Config 0 (auto): the default count where devices report no memory (CPU), and the
+    largest count that fits where they do, in the trainer and the packer alike."""
+    from gyre.rl import builder
+
+    cfg = small_config()
+    cfg.trajectory.row_len = 256
+    cfg.mesh.cell_size, cfg.mesh.model_parallel = 2, 1
+    cfg.train.rows_per_microbatch = 0
+    specs = build_specs(cfg)
+    assert specs.trainer.rows_auto and specs.trainer.rows_per_microbatch == 4
+    assert builder.check_memory(specs) == specs  # CPU: nothing reported, nothing changed
+    monkeypatch.setattr(memory_plan, "train_terms", lambda s, cell, tree=None: (
+        memory_plan.Term("rows", 1e6 * s.trainer.rows_per_microbatch, ""),))  # fmt: skip
+    monkeypatch.setattr(memory_plan, "rollout_terms", lambda s, cell: ())
+    monkeypatch.setattr(memory_plan, "device_memory", lambda cell: 13.5e6 / 0.9)
+    got = builder.check_memory(specs)
+    assert got.trainer.rows_per_microbatch == got.trajectory.rows_per_microbatch == 12
+    cfg.train.rows_per_microbatch = 4  # a fixed count stays as it is
+    fixed = build_specs(cfg)
+    assert not fixed.trainer.rows_auto and builder.check_memory(fixed) == fixed

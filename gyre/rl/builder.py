@@ -152,7 +152,8 @@ def _build(keys: ConfigKeys) -> Specs:
     if is_chat(env_name) and sft_steps:
         raise ConfigError(f"config key 'sft.steps' must be 0 for the chat task {env_name!r}: "
                           "the warm start makes ledger demonstrations")  # fmt: skip
-    rows = keys["train.rows_per_microbatch"]
+    rows = keys["train.rows_per_microbatch"]  # 0 = auto: check_memory sets it
+    rows_auto, rows = rows == 0, rows or TrainerSpec.rows_per_microbatch
     trainer = TrainerSpec(
         model=model,
         optimizer=keys.pick(OptimizerSpec, "train"),
@@ -163,6 +164,7 @@ def _build(keys: ConfigKeys) -> Specs:
         remat=keys["train.remat"],
         logits_chunk=keys["train.logits_chunk"],
         tree_schedule=keys["train.tree_schedule"],
+        rows_auto=rows_auto,
     )
     trajectory = keys.pick(TrajectorySpec, "trajectory", vocab_size=model.vocab_size,
                            rows_per_microbatch=rows)  # fmt: skip
@@ -239,14 +241,27 @@ def _build(keys: ConfigKeys) -> Specs:
     )
 
 
-def check_memory(specs: Specs) -> None:
+def check_memory(specs: Specs) -> Specs:
     """Refuses (ConfigError, one line naming the largest term and the setting to change) a
     run whose memory plan does not fit its devices (gyre/rl/memory_plan.py); checks nothing
-    where devices report no memory (CPU). Call after the devices are set up, before writing."""
+    where devices report no memory (CPU). With ``train.rows_per_microbatch`` 0 (auto) -> the
+    specs with the largest count that fits (unchanged where nothing is checked). Call after
+    the devices are set up, before writing."""
     from gyre.rl import memory_plan
 
-    if specs.cluster.backend == "local":
-        memory_plan.check(specs)
+    if specs.cluster.backend != "local":
+        return specs
+    memory = memory_plan.device_memory(memory_plan.plan_cell(specs))
+    if specs.trainer.rows_auto and memory is not None:
+        rows = memory_plan.auto_rows(specs, memory)
+        if rows:  # else not even the smallest count fits: the check below says what does not
+            specs = dataclasses.replace(
+                specs,
+                trainer=dataclasses.replace(specs.trainer, rows_per_microbatch=rows),
+                trajectory=dataclasses.replace(specs.trajectory, rows_per_microbatch=rows),
+            )
+    memory_plan.check(specs, memory)
+    return specs
 
 
 def prepare(specs: Specs) -> None:

@@ -66,6 +66,10 @@ class TrainerSpec:
     # the same gradient, peak memory of the prefix plus one branch. Rows run one at a time,
     # replicated on the cell; static lengths are bucketed to powers of two (few compiles).
     tree_schedule: bool = False
+    # train.rows_per_microbatch was 0 ('auto'): the builder's check_memory sets the count to
+    # the largest that fits the devices by the memory plan (it stays at the default where
+    # devices report no memory, as on CPU)
+    rows_auto: bool = False
 
     def __post_init__(self):
         tloss.objective_loss(self.objective)  # raises for an unknown objective

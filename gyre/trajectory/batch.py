@@ -85,6 +85,9 @@ class TrajectorySpec:
 
     def __post_init__(self):
         bounds.check(self, "trajectory", rows_per_microbatch="train.rows_per_microbatch")
+        if self.rows_per_microbatch < 1:  # the config's 0 (auto) is resolved by the builder
+            raise ValueError(f"train.rows_per_microbatch must be >= 1 here (0, auto, is the "
+                             f"config's), got {self.rows_per_microbatch}")  # fmt: skip
         if self.row_len % 128:
             raise ValueError(f"trajectory.row_len must be a multiple of 128, got {self.row_len}")
         for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
