@@ -17,8 +17,9 @@ from gyre.rollout.types import GenerateRequest
 
 PAGE = 16
 PAGED = dataclasses.replace(SPEC, kv_page=PAGE)
-# the slot layout reading its cache in blocks of a page: the same arithmetic, bit for bit
-SLOTS = dataclasses.replace(SPEC, kv_block=PAGE)
+# the slot layout reading its cache in live blocks of 128 (at most max_len, 64 here): the
+# arithmetic of the paged cache, which reads blocks of 128 entries (4 pages here), bit for bit
+SLOTS = dataclasses.replace(SPEC, kv_block=128)
 
 
 def request(name, prompt, new, temperature=1.0, stop=(), call=0):
