@@ -137,6 +137,48 @@ def test_hand_over_moves_only_the_request_s_pages():
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
 
 
+def test_an_idle_context_moves_with_its_pages_only():
+    first = request("ctx", prompt(41, 37), 9, 1.0)
+    (out0,), ref = run([first])  # the reference: the context stays on its cell
+    follow = request("ctx", np.concatenate([first.prompt, out0.tokens, prompt(42, 6)]), 7,
+                     1.0, call=1)  # fmt: skip
+    ref.submit(follow)
+    want = ref.run_until_done()[1]
+    src = Engine(PAGED, CELLS[0], STATE)
+    src.submit(first)
+    src.run_until_done()
+    length = next(s.length for s in src.slots if s.owner == "ctx")
+    assert src.export_context("nobody") is None
+    exp = src.export_context("ctx")
+    n = -(-length // PAGE)
+    assert exp.held.size == length and exp.rows["v"][0].shape == (n, 2, PAGE, 16)
+    moved = sum(x.nbytes for x in exp.rows["k"] + exp.rows["v"])
+    assert moved == n * src.programs.page_bytes  # the context's pages, no more
+    assert src.kv.used_pages == 0 and src.stats["evictions"] == 0  # a move, not an eviction
+    src.kv.check()
+    dst = Engine(PAGED, CELLS[1], STATE)
+    dst.submit(request("other", prompt(43, 20), 3))  # pages already in use there
+    dst.run_until_done()
+    used = dst.kv.used_pages
+    assert dst.can_import_context(exp)
+    dst.import_context(exp)
+    dst.kv.check()
+    assert dst.kv.used_pages == used + n and dst.pool()["idle_contexts"] == 2
+    rid = dst.submit(follow)
+    got = dst.run_until_done()[rid]
+    assert dst.stats["reused_tokens"] == length  # the moved context served its prompt
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    stale = src.export_context("ctx")
+    assert stale is None  # gone from the source
+    dst.set_weights(STATE, 1)
+    again = Engine(PAGED, CELLS[2], STATE)
+    again.submit(first)
+    again.run_until_done()
+    old = again.export_context("ctx")
+    assert not dst.can_import_context(old)  # K/V of other weights: never installed
+
+
 def test_proxy_migrates_paged_requests_exactly():
     reqs = [request(f"m{i}", prompt(30 + i, 20), 30) for i in range(3)]
     proxy = Proxy([Engine(PAGED, CELLS[c], STATE) for c in range(2)])
