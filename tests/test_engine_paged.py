@@ -198,9 +198,39 @@ def test_proxy_migrates_paged_requests_exactly():
     got = asyncio.run(main())
     want, _ = run(reqs)
     assert counts.get("migrated", 0) >= 1
+    assert proxy.stats["contexts_migrated"] + proxy.stats["contexts_dropped"] == 0  # none idle
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g.tokens, w.tokens)
         np.testing.assert_array_equal(g.logprobs, w.logprobs)
+
+
+def test_release_moves_idle_contexts_and_the_next_call_reuses_them():
+    proxy = Proxy([Engine(PAGED, CELLS[c], STATE) for c in range(2)])
+    firsts = [request(f"e{i}", prompt(50 + i, 12 + 5 * i), 5) for i in range(3)]
+
+    async def serve(reqs):
+        tasks = [asyncio.create_task(proxy.generate(r)) for r in reqs]
+        await asyncio.sleep(0)
+        for _ in range(500):
+            if all(t.done() for t in tasks):
+                return [t.result() for t in tasks]
+            proxy.pump()
+            await asyncio.sleep(0)
+        raise AssertionError("calls still live after 500 pumps")
+
+    outs = asyncio.run(serve(firsts))
+    gone = [r for r in firsts if proxy.affinity[r.execution_id] == 0]
+    proxy.release(0, "migrate")  # the executions are between calls: their contexts are idle
+    follows = [request(r.execution_id, np.concatenate([r.prompt, o.tokens, prompt(60, 4)]), 4,
+                       call=1) for r, o in zip(firsts, outs)]  # fmt: skip
+    reused = proxy.engines[1].stats["reused_tokens"]
+    asyncio.run(serve(follows))
+    assert gone and proxy.stats["contexts_migrated"] == len(gone)
+    assert proxy.engines[1].stats["contexts_imported"] == len(gone)
+    # every follow-up call reused its whole previous context, the moved ones included
+    assert proxy.engines[1].stats["reused_tokens"] - reused == sum(
+        r.prompt.size + 5 - 1 for r in firsts
+    )
 
 
 @pytest.mark.slow

@@ -618,6 +618,11 @@ class Engine:
         self.evicted.pop(me, None)
         self.stats["imported"] += 1
 
+    def idle_contexts(self) -> list[str]:
+        """Executions whose idle context a slot holds, least recently used first."""
+        idle = [s for s in self.slots if s.live is None and s.owner is not None and s.length]
+        return list(dict.fromkeys(s.owner for s in sorted(idle, key=lambda s: s.last_used)))
+
     def export_context(self, execution_id: str) -> ContextExport | None:
         """Lifts ``execution_id``'s idle context out with its K/V (paged: its pages, only
         them) -> None when no idle slot holds one. The slot forgets it (a move, not an
