@@ -48,7 +48,8 @@ counts, LRU order; slots are its keys), in whole pages. Two memories:
   with another's resident context (the samples of one task, a retry that rewinds, another
   execution's prefix) is shared by reference: the full pages, with the last partial page
   copied (copy on write: a slot writes only pages it holds alone). Prefill and decode read
-  each slot's pages through its page table; export/import move a request's pages only.
+  each slot's pages through its page table; export/import (of a live request, or of an idle
+  context: :meth:`Engine.export_context`) move its pages only.
 
 Weight updates keep in-flight requests: KV computed by an older version stays in the cache
 (standard practice); each completion token records the version whose logits sampled it.
