@@ -63,13 +63,17 @@ def test_paged_equals_the_slot_layout_bit_for_bit_and_the_full_forward():
 
 
 @pytest.mark.slow
-def test_paged_rows_are_batch_invariant_and_the_loop_equals_one_step():
+def test_paged_rows_are_batch_invariant_the_loop_equals_one_step_and_pages_change_nothing():
     one, _ = run(MIXED, dataclasses.replace(PAGED, decode_steps=1))
     loop, _ = run(MIXED, dataclasses.replace(PAGED, decode_steps=16))
     alone, _ = run(MIXED[3:4], cell=1)  # another cell, slot and batch
-    for w, g in zip(one, loop):
+    # pages of 32: blocks of 2 pages, not 4, and the same arithmetic, bit for bit
+    wide, _ = run(MIXED, dataclasses.replace(PAGED, kv_page=32))
+    for w, g, p in zip(one, loop, wide):
         np.testing.assert_array_equal(g.tokens, w.tokens)
         np.testing.assert_array_equal(g.logprobs, w.logprobs)
+        np.testing.assert_array_equal(p.tokens, w.tokens)
+        np.testing.assert_array_equal(p.logprobs, w.logprobs)
     np.testing.assert_array_equal(alone[0].tokens, one[3].tokens)
     np.testing.assert_array_equal(alone[0].logprobs, one[3].logprobs)
 
