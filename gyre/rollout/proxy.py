@@ -19,8 +19,8 @@ hands every live request on it to the other rollout cells:
   tokens generated so far, same execution/call ids, so sampling keys line up); the new
   prefill recomputes that KV. The response concatenates both parts.
 
-With 'migrate' the cell's idle contexts (executions waiting on a tool) move too, with their
-K/V (paged: their pages only), to another cell with free pages and an empty slot, where the
+With 'migrate' a paged cell's idle contexts (executions waiting on a tool) move too, with
+their pages only, to another cell with free pages and an empty slot, where the
 execution's next call goes and reuses them (``Proxy._move_contexts``); otherwise they are
 dropped and re-prefilled.
 
@@ -425,15 +425,16 @@ class Proxy:
         return dict(counts)
 
     def _move_contexts(self, engine, moved: dict, skip=frozenset()) -> None:
-        """'migrate': each idle context on a cell leaving rollout moves with its K/V (paged: its
-        pages only, Engine.export_context) to the cell its execution's reservation went to
+        """'migrate', a paged cell: each idle context on a cell leaving rollout moves with its
+        pages (only them, Engine.export_context) to the cell its execution's reservation went to
         (resident admission), else to the rollout cell with most free pages that takes it
-        (Engine.can_import_context); where none does (or an engine in another process, which
-        moves no idle context), it is dropped as before. Executions in ``skip`` (their live
-        request was just handed over: the context it left behind went with it) are left.
+        (Engine.can_import_context); where none does, it is dropped (re-prefilled), as the
+        slot layout's are and those of an engine in another process. Executions in ``skip``
+        (their live request was just handed over: the context it left went with it) are left.
         Counted in ``stats``: contexts_migrated, contexts_dropped."""
-        owners = getattr(engine, "idle_contexts", None)
-        for eid in owners() if owners is not None else ():
+        if not getattr(engine, "paged", False):  # the slot layout: dropped, as before paging
+            return
+        for eid in engine.idle_contexts():
             if eid in skip:
                 continue
             exp = engine.export_context(eid)
