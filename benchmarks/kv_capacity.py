@@ -16,11 +16,14 @@ averages a few hundred tokens, a tail reaches max_len. Figures: mean and peak re
 contexts (live + idle contexts in the pool, sampled after every pump), evictions, re-prefilled
 tokens, prefilled tokens, the wall time, and the peak KV the paged pool used.
 
-Decode tok/s at equal batch: ``--batch`` requests with contexts of 300-1500 tokens decode
-``--decode-new`` tokens greedily on one engine of ``slots`` = batch in each layout (the slot
-layout reading its cache in live blocks of 128, as auto does at max_len 2048), alternating,
-``--runs`` times after a warm-up; tok/s = decode tokens / seconds of the decode loops
-(``Engine.on_timing``), the fastest run (a shared machine only slows runs down) and the median.
+Decode tok/s at equal batch, the page-size sweep side by side: ``--batch`` requests with
+contexts of 300-1500 tokens decode ``--decode-new`` tokens greedily on one engine of ``slots``
+= batch in each layout (the slot layout reading its cache in live blocks of 128, as auto does
+at max_len 2048; the paged ones in blocks of 128 entries too, 128 / page pages gathered a
+block, gyre/rollout/programs.py paged_kv_block), alternating, ``--runs`` times after a
+warm-up; tok/s = decode tokens / seconds of the decode loops (``Engine.on_timing``), the
+fastest run (a shared machine only slows runs down) and the median. Every layout's tokens and
+logprobs are checked equal to the slot layout's, bit for bit ("exact" column).
 
 Tiny random model (hidden 64, 2 layers, 4 heads / 2 KV heads of 32, vocab 512, float32), one
 CPU device per cell. Prints a table and one final JSON line.
@@ -58,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--memory", type=int, default=4 * 2048, help="KV tokens of both layouts")
     p.add_argument("--paged-slots", type=int, default=32)
-    p.add_argument("--pages", default="16,64,128,256", help="page sizes swept")
+    p.add_argument("--pages", default="16,32,64,128,256", help="page sizes swept")
     p.add_argument("--executions", type=int, default=48)
     p.add_argument("--group", type=int, default=4, help="samples sharing a task prompt")
     p.add_argument("--task-prompt", type=int, default=128)
@@ -70,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.quick:
-        a.executions, a.turns, a.runs, a.pages = 16, 3, 2, "64,128"
+        a.executions, a.turns, a.runs, a.pages = 16, 3, 2, "32,64,128"
     return a
 
 
@@ -149,11 +152,13 @@ def capacity_run(spec, cell, state, a, work):
 
 
 def decode_tps(specs: dict, cell, state, a) -> dict:
-    """{name: (best tok/s, median tok/s)} of the decode loops at equal batch, alternating."""
+    """{name: (best tok/s, median tok/s, exact)} of the decode loops at equal batch,
+    alternating; exact: the tokens and logprobs equal the first layout's bit for bit."""
     rng = np.random.default_rng(a.seed + 2)
     lens = np.linspace(300, 1500, a.batch).astype(int)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in lens]
     rates = {name: [] for name in specs}
+    outs = {}
     engines = {name: Engine(spec, cell, state) for name, spec in specs.items()}
     for e in engines.values():
         e.warmup()
@@ -168,12 +173,16 @@ def decode_tps(specs: dict, cell, state, a) -> dict:
                     timing["tok"] += f["rows"] * f["steps"]
 
             e.on_timing = on
-            for i, p in enumerate(prompts):
-                e.submit(GenerateRequest(f"d{run}-{i}", 0, p, a.decode_new, (), 0.0))
-            e.run_until_done()
+            rids = [e.submit(GenerateRequest(f"d{run}-{i}", 0, p, a.decode_new, (), 0.0))
+                    for i, p in enumerate(prompts)]  # fmt: skip
+            got = e.run_until_done()
+            outs.setdefault(name, [(got[r].tokens, got[r].logprobs) for r in rids])
             if run:
                 rates[name].append(timing["tok"] / timing["s"])
-    return {n: (max(r), statistics.median(r)) for n, r in rates.items()}
+    first = next(iter(outs.values()))
+    exact = {n: all(np.array_equal(t, u) and np.array_equal(lp, lq)
+                    for (t, lp), (u, lq) in zip(o, first)) for n, o in outs.items()}  # fmt: skip
+    return {n: (max(r), statistics.median(r), exact[n]) for n, r in rates.items()}
 
 
 def main(argv=None):
@@ -200,22 +209,23 @@ def main(argv=None):
     base = rows["slots"]
     head = (f"{'layout':<10} {'slots':>5} {'resident mean':>13} {'max':>4} {'x slots':>7} "
             f"{'evictions':>9} {'re-prefilled':>12} {'prefilled':>9} {'KV peak':>8} "
-            f"{'wall s':>7} {'decode tok/s':>12} {'x slots':>7}")  # fmt: skip
+            f"{'wall s':>7} {'decode tok/s':>12} {'median':>7} {'x slots':>7} {'exact':>5}")  # fmt: skip
     print("\n" + head)
     result = {"memory_tokens": a.memory, "max_len": a.max_len, "batch": a.batch, "layouts": {}}
     for name, spec in layouts:
         r = rows[name]
-        best, med = tps[name]
+        best, med, exact = tps[name]
         ratio = r["resident_mean"] / base["resident_mean"]
         dratio = best / tps["slots"][0]
         print(f"{name:<10} {spec.slots:>5} {r['resident_mean']:>13.2f} {r['resident_max']:>4} "
               f"{ratio:>7.2f} {r['evictions']:>9} {r['reprefilled_tokens']:>12} "
               f"{r['prefilled_tokens']:>9} {r['kv_peak_tokens']:>8} {r['wall_s']:>7.1f} "
-              f"{best:>12.0f} {dratio:>7.2f}")  # fmt: skip
+              f"{best:>12.0f} {med:>7.0f} {dratio:>7.2f} {exact!s:>5}")  # fmt: skip
         result["layouts"][name] = {**r, "slots": spec.slots, "capacity_ratio": round(ratio, 3),
                                    "decode_tok_s_best": round(best, 1),
                                    "decode_tok_s_median": round(med, 1),
-                                   "decode_ratio": round(dratio, 3)}  # fmt: skip
+                                   "decode_ratio": round(dratio, 3),
+                                   "decode_exact": exact}  # fmt: skip
     print(json.dumps(result))
     return result
 

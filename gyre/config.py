@@ -169,7 +169,8 @@ def default_config() -> ml_collections.ConfigDict:
     # 0 = derived: slots * max_len on CPU; on an accelerator, device memory minus the cell's
     # weights minus a reserve (capped at slots * max_len, the memory actually allocated).
     c.rollout.kv_tokens = rollout.kv_tokens
-    # KV memory as pages of this many tokens (each slot reads its pages through a page table;
+    # KV memory as pages of this many tokens (each slot reads its pages through a page table,
+    # in blocks of kv_block entries, auto 128, in whole pages: 128 measured fastest on CPU;
     # prompts shared by reference, gyre/kvpool.py); 0 = one max_len row per slot
     c.rollout.kv_page = rollout.kv_page
     # How the proxy admits calls (gyre/rollout/proxy.py): "none" = each call on its own (idle

@@ -17,8 +17,9 @@ from gyre.rollout.types import GenerateRequest
 
 PAGE = 16
 PAGED = dataclasses.replace(SPEC, kv_page=PAGE)
-# the slot layout reading its cache in blocks of a page: the same arithmetic, bit for bit
-SLOTS = dataclasses.replace(SPEC, kv_block=PAGE)
+# the slot layout reading its cache in live blocks of 128 (at most max_len, 64 here): the
+# arithmetic of the paged cache, which reads blocks of 128 entries (4 pages here), bit for bit
+SLOTS = dataclasses.replace(SPEC, kv_block=128)
 
 
 def request(name, prompt, new, temperature=1.0, stop=(), call=0):
@@ -62,13 +63,17 @@ def test_paged_equals_the_slot_layout_bit_for_bit_and_the_full_forward():
 
 
 @pytest.mark.slow
-def test_paged_rows_are_batch_invariant_and_the_loop_equals_one_step():
+def test_paged_rows_are_batch_invariant_the_loop_equals_one_step_and_pages_change_nothing():
     one, _ = run(MIXED, dataclasses.replace(PAGED, decode_steps=1))
     loop, _ = run(MIXED, dataclasses.replace(PAGED, decode_steps=16))
     alone, _ = run(MIXED[3:4], cell=1)  # another cell, slot and batch
-    for w, g in zip(one, loop):
+    # pages of 32: blocks of 2 pages, not 4, and the same arithmetic, bit for bit
+    wide, _ = run(MIXED, dataclasses.replace(PAGED, kv_page=32))
+    for w, g, p in zip(one, loop, wide):
         np.testing.assert_array_equal(g.tokens, w.tokens)
         np.testing.assert_array_equal(g.logprobs, w.logprobs)
+        np.testing.assert_array_equal(p.tokens, w.tokens)
+        np.testing.assert_array_equal(p.logprobs, w.logprobs)
     np.testing.assert_array_equal(alone[0].tokens, one[3].tokens)
     np.testing.assert_array_equal(alone[0].logprobs, one[3].logprobs)
 
@@ -136,6 +141,48 @@ def test_hand_over_moves_only_the_request_s_pages():
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
 
 
+def test_an_idle_context_moves_with_its_pages_only():
+    first = request("ctx", prompt(41, 37), 9, 1.0)
+    (out0,), ref = run([first])  # the reference: the context stays on its cell
+    follow = request("ctx", np.concatenate([first.prompt, out0.tokens, prompt(42, 6)]), 7,
+                     1.0, call=1)  # fmt: skip
+    ref.submit(follow)
+    want = ref.run_until_done()[1]
+    src = Engine(PAGED, CELLS[0], STATE)
+    src.submit(first)
+    src.run_until_done()
+    length = next(s.length for s in src.slots if s.owner == "ctx")
+    assert src.export_context("nobody") is None
+    exp = src.export_context("ctx")
+    n = -(-length // PAGE)
+    assert exp.held.size == length and exp.rows["v"][0].shape == (n, 2, PAGE, 16)
+    moved = sum(x.nbytes for x in exp.rows["k"] + exp.rows["v"])
+    assert moved == n * src.programs.page_bytes  # the context's pages, no more
+    assert src.kv.used_pages == 0 and src.stats["evictions"] == 0  # a move, not an eviction
+    src.kv.check()
+    dst = Engine(PAGED, CELLS[1], STATE)
+    dst.submit(request("other", prompt(43, 20), 3))  # pages already in use there
+    dst.run_until_done()
+    used = dst.kv.used_pages
+    assert dst.can_import_context(exp)
+    dst.import_context(exp)
+    dst.kv.check()
+    assert dst.kv.used_pages == used + n and dst.pool()["idle_contexts"] == 2
+    rid = dst.submit(follow)
+    got = dst.run_until_done()[rid]
+    assert dst.stats["reused_tokens"] == length  # the moved context served its prompt
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    stale = src.export_context("ctx")
+    assert stale is None  # gone from the source
+    dst.set_weights(STATE, 1)
+    again = Engine(PAGED, CELLS[2], STATE)
+    again.submit(first)
+    again.run_until_done()
+    old = again.export_context("ctx")
+    assert not dst.can_import_context(old)  # K/V of other weights: never installed
+
+
 def test_proxy_migrates_paged_requests_exactly():
     reqs = [request(f"m{i}", prompt(30 + i, 20), 30) for i in range(3)]
     proxy = Proxy([Engine(PAGED, CELLS[c], STATE) for c in range(2)])
@@ -155,9 +202,39 @@ def test_proxy_migrates_paged_requests_exactly():
     got = asyncio.run(main())
     want, _ = run(reqs)
     assert counts.get("migrated", 0) >= 1
+    assert proxy.stats["contexts_migrated"] + proxy.stats["contexts_dropped"] == 0  # none idle
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g.tokens, w.tokens)
         np.testing.assert_array_equal(g.logprobs, w.logprobs)
+
+
+def test_release_moves_idle_contexts_and_the_next_call_reuses_them():
+    proxy = Proxy([Engine(PAGED, CELLS[c], STATE) for c in range(2)])
+    firsts = [request(f"e{i}", prompt(50 + i, 12 + 5 * i), 5) for i in range(3)]
+
+    async def serve(reqs):
+        tasks = [asyncio.create_task(proxy.generate(r)) for r in reqs]
+        await asyncio.sleep(0)
+        for _ in range(500):
+            if all(t.done() for t in tasks):
+                return [t.result() for t in tasks]
+            proxy.pump()
+            await asyncio.sleep(0)
+        raise AssertionError("calls still live after 500 pumps")
+
+    outs = asyncio.run(serve(firsts))
+    gone = [r for r in firsts if proxy.affinity[r.execution_id] == 0]
+    proxy.release(0, "migrate")  # the executions are between calls: their contexts are idle
+    follows = [request(r.execution_id, np.concatenate([r.prompt, o.tokens, prompt(60, 4)]), 4,
+                       call=1) for r, o in zip(firsts, outs)]  # fmt: skip
+    reused = proxy.engines[1].stats["reused_tokens"]
+    asyncio.run(serve(follows))
+    assert gone and proxy.stats["contexts_migrated"] == len(gone)
+    assert proxy.engines[1].stats["contexts_imported"] == len(gone)
+    # every follow-up call reused its whole previous context, the moved ones included
+    assert proxy.engines[1].stats["reused_tokens"] - reused == sum(
+        r.prompt.size + 5 - 1 for r in firsts
+    )
 
 
 @pytest.mark.slow

@@ -421,26 +421,70 @@ def live_decode_attention(q, k_new, v_new, k_cache, v_cache, pos_B, block, live=
     return _decode_fold(q, k_new, v_new, pos_B, kvh, read, (live + blk - 1) // blk)
 
 
-def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, table_BxP, pos_B, live=None):
-    """:func:`live_decode_attention` over a paged KV cache: the same fold, a page a block.
+def pages_per_block(page: int, block: int) -> int:
+    """Pages a paged attention block reads at once: ``block`` entries (at least one page)."""
+    return max(1, block // page)
+
+
+def _gather_pages(pages, idx, axis: int):
+    """The pages ``idx`` names, side by side: pages[N, *dims] (a page's entries on ``dims[axis]``),
+    idx int[*lead, k] (clamped into [0, N)) -> [*lead, *dims] with ``dims[axis]`` k x as long,
+    page idx[..., 0]'s entries first: the layout of a block of k x page contiguous cache
+    entries, written straight by one gather (no transpose after it)."""
+    dims = pages.shape[1:]
+    lead = idx.ndim - 1
+    k = idx.shape[-1]
+    batch_at = (*range(lead), lead + axis)  # where the gather's index axes land
+    offset = tuple(i for i in range(lead + 1 + len(dims)) if i not in batch_at)
+    out = jax.lax.gather(
+        pages,
+        idx[..., None],
+        jax.lax.GatherDimensionNumbers(
+            offset_dims=offset, collapsed_slice_dims=(0,), start_index_map=(0,)
+        ),
+        slice_sizes=(1, *dims),
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+    return out.reshape(*idx.shape[:-1], *dims[:axis], k * dims[axis], *dims[axis + 1 :])
+
+
+def _padded_table(table, k: int, num_pages: int):
+    """``table`` (pages on its last axis) padded with ``num_pages`` (clamped, never visible) to
+    a multiple of ``k`` columns, so every block of k columns is read where it starts."""
+    pad = -table.shape[-1] % k
+    if not pad:
+        return table
+    widths = [(0, 0)] * (table.ndim - 1) + [(0, pad)]
+    return jnp.pad(table, widths, constant_values=num_pages)
+
+
+def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, table_BxP, pos_B, block, live=None):
+    """:func:`live_decode_attention` over a paged KV cache: the same fold, blocks of pages.
 
     k_pages[N,KVH,Dh,ps], v_pages[N,KVH,ps,Dh] (a slot cache's layouts with pages for
     slots); table_BxP int: row b's pages in token order (entries past its pages: any index,
-    clamped, never visible). Block i of row b is page table[b, i] (a gather of one page per
-    row), so a step reads only the live pages of each row; the arithmetic is
-    :func:`live_decode_attention`'s with ``block`` = ps, bit for bit. -> out[B,1,H,Dh]."""
+    clamped, never visible). Block i of row b is its pages ``i * n .. i * n + n - 1`` (n =
+    :func:`pages_per_block` (ps, block)), gathered into the layout of a slot's block of n x
+    ps entries, so a step reads only the live pages of each row, and the arithmetic is
+    :func:`live_decode_attention`'s with ``block`` = n x ps, bit for bit, whatever the page
+    size. Several pages a block, not one: each block is one trip of a device loop, whose
+    fixed cost, not the bytes read, dominated a CPU decode step with pages of 16-64 (a loop
+    over pages of 64 ran at 0.35-0.5x the slot layout's blocks of 128; benchmarks/
+    kv_capacity.py). -> out[B,1,H,Dh]."""
     kvh, ps = _cache_dims(q, k_pages, v_pages)
     m = table_BxP.shape[1] * ps
+    n = pages_per_block(ps, block)
+    table = _padded_table(table_BxP, n, k_pages.shape[0])
 
     def read(i):
-        page_B = table_BxP[:, i]
-        k_blk = jnp.take(k_pages, page_B, axis=0, mode="clip")
-        v_blk = jnp.take(v_pages, page_B, axis=0, mode="clip")
-        return i * ps, i * ps + jnp.arange(ps), k_blk, v_blk
+        idx_Bxn = jax.lax.dynamic_slice_in_dim(table, i * n, n, axis=1)
+        k_blk = _gather_pages(k_pages, idx_Bxn, 2)  # [B, KVH, Dh, n ps]
+        v_blk = _gather_pages(v_pages, idx_Bxn, 1)  # [B, KVH, n ps, Dh]
+        return i * n * ps, i * n * ps + jnp.arange(n * ps), k_blk, v_blk
 
     if live is None:
         live = live_length(pos_B, m)
-    return _decode_fold(q, k_new, v_new, pos_B, kvh, read, (live + ps - 1) // ps)
+    return _decode_fold(q, k_new, v_new, pos_B, kvh, read, (live + n * ps - 1) // (n * ps))
 
 
 def _decode_fold(q, k_new, v_new, pos_B, kvh, read, n_blocks):
@@ -512,22 +556,25 @@ def live_prefill_attention(q, k_cache, v_cache, slot, q_pos_1xT, kv_len_1, block
     return _prefill_fold(q, kvh, read, n_blocks, q_pos_1xT, kv_len_1)
 
 
-def paged_prefill_attention(q, k_pages, v_pages, table_P, q_pos_1xT, kv_len_1):
-    """:func:`live_prefill_attention` over a paged KV cache: block i is page ``table_P[i]``
-    of the row (k_pages[N,KVH,Dh,ps], v_pages[N,KVH,ps,Dh]; the chunk's own k/v already
-    written to its pages), the same fold with ``block`` = ps. -> out[1,T,H,Dh]."""
+def paged_prefill_attention(q, k_pages, v_pages, table_P, q_pos_1xT, kv_len_1, block):
+    """:func:`live_prefill_attention` over a paged KV cache: block i is the row's pages ``i *
+    n .. i * n + n - 1`` (n = :func:`pages_per_block` (ps, block); k_pages[N,KVH,Dh,ps],
+    v_pages[N,KVH,ps,Dh]; the chunk's own k/v already written to its pages), gathered into
+    the layout of a slot's block: the same fold with ``block`` = n x ps. -> out[1,T,H,Dh]."""
     if q.shape[0] != 1:
         raise ValueError(f"paged_prefill_attention takes one row, got {q.shape[0]}")
     kvh, ps = _cache_dims(q, k_pages, v_pages)
     m = table_P.shape[0] * ps
+    n = pages_per_block(ps, block)
+    table = _padded_table(table_P, n, k_pages.shape[0])
 
     def read(i):
-        page = jnp.clip(table_P[i], 0, k_pages.shape[0] - 1)
-        k_blk = jax.lax.dynamic_index_in_dim(k_pages, page, axis=0, keepdims=False)
-        v_blk = jax.lax.dynamic_index_in_dim(v_pages, page, axis=0, keepdims=False)
-        return i * ps, i * ps + jnp.arange(ps), k_blk, v_blk
+        idx_n = jax.lax.dynamic_slice_in_dim(table, i * n, n)
+        k_blk = _gather_pages(k_pages, idx_n, 2)  # [KVH, Dh, n ps]
+        v_blk = _gather_pages(v_pages, idx_n, 1)  # [KVH, n ps, Dh]
+        return i * n * ps, i * n * ps + jnp.arange(n * ps), k_blk, v_blk
 
-    n_blocks = (jnp.minimum(kv_len_1[0], m) + ps - 1) // ps
+    n_blocks = (jnp.minimum(kv_len_1[0], m) + n * ps - 1) // (n * ps)
     return _prefill_fold(q, kvh, read, n_blocks, q_pos_1xT, kv_len_1)
 
 

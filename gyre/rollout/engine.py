@@ -48,7 +48,8 @@ counts, LRU order; slots are its keys), in whole pages. Two memories:
   with another's resident context (the samples of one task, a retry that rewinds, another
   execution's prefix) is shared by reference: the full pages, with the last partial page
   copied (copy on write: a slot writes only pages it holds alone). Prefill and decode read
-  each slot's pages through its page table; export/import move a request's pages only.
+  each slot's pages through its page table; export/import (of a live request, or of an idle
+  context: :meth:`Engine.export_context`) move its pages only.
 
 Weight updates keep in-flight requests: KV computed by an older version stays in the cache
 (standard practice); each completion token records the version whose logits sampled it.
@@ -255,6 +256,19 @@ class SlotExport:
     rows: dict | None  # {'k': L x [1, KVH, Dh, M], 'v': L x [1, KVH, M, Dh]}; None if queued
 
 
+@dataclasses.dataclass
+class ContextExport:
+    """An idle context lifted out of its slot: its execution, tokens, the weights version
+    that computed its K/V and the K/V itself (source cell). Paged: the pages of its tokens
+    and only them ({'k': L x [n, KVH, Dh, ps], 'v': L x [n, KVH, ps, Dh]}, n = its length in
+    pages); the slot layout: its slot's row."""
+
+    owner: str
+    held: np.ndarray
+    version: int
+    rows: dict
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -398,21 +412,14 @@ class Engine:
 
     # ------------------------------------------------------------------ the KV pool
 
-    def _live_pages(self) -> int:
-        """Pages the live requests hold (each its reservation; a page shared counts once)."""
-        live = [s.index for s in self.slots if s.live is not None]
-        if not self.paged:  # nothing is shared by reference
-            return sum(len(self.kv.tables.get(i, ())) for i in live)
-        return len(self.kv.pages_of(live))
-
     def room(self) -> int:
         """Tokens a new request may still reserve: the budget less the reservations of live and
         queued requests, in whole pages (idle contexts count as free: they are evicted on
-        demand)."""
+        demand; live pages: :meth:`KVPool.live_pages`, a page shared counted once)."""
         if self.kv is None:  # suspended
             return self.budget
         queued = sum(self.kv.pages_for(lv.reserve) for lv in self.queue)
-        return (self.kv.num_pages - self._live_pages() - queued) * self.kv.page_size
+        return (self.kv.num_pages - self.kv.live_pages() - queued) * self.kv.page_size
 
     def can_admit(self, request: GenerateRequest) -> bool:
         """True when ``request`` submitted now is placed at the next step (a slot and room)."""
@@ -612,6 +619,68 @@ class Engine:
         self.evicted.pop(me, None)
         self.stats["imported"] += 1
 
+    def idle_contexts(self) -> list[str]:
+        """Executions whose idle context a slot holds, least recently used first."""
+        idle = [s for s in self.slots if s.live is None and s.owner is not None and s.length]
+        return list(dict.fromkeys(s.owner for s in sorted(idle, key=lambda s: s.last_used)))
+
+    def export_context(self, execution_id: str) -> ContextExport | None:
+        """Lifts ``execution_id``'s idle context out with its K/V (paged: its pages, only
+        them) -> None when no idle slot holds one. The slot forgets it (a move, not an
+        eviction: nothing is recorded for re-prefill)."""
+        held = [i for i, s in enumerate(self.slots)
+                if s.live is None and s.owner == execution_id and s.length]  # fmt: skip
+        if not held:
+            return None
+        i = max(held, key=lambda j: self.slots[j].last_used)
+        slot = self.slots[i]
+        if self.paged:
+            pages = self.kv.table(i)[: self.kv.pages_for(slot.length)]
+            rows = self.programs.read_pages(self.cache, np.asarray(pages, np.int32))
+        else:
+            rows = self.programs.read_rows(self.cache, np.int32(i))
+        exp = ContextExport(execution_id, slot.held.copy(), self.version, rows)
+        self._rewind(i, 0)
+        slot.owner = None
+        self.stats["contexts_exported"] += 1
+        return exp
+
+    def can_import_context(self, exp: ContextExport) -> bool:
+        """Whether :meth:`import_context` takes ``exp`` now: the same weights version, an
+        empty slot the queue does not need, and free pages for its length (a moved context
+        never evicts a resident one)."""
+        if self.kv is None or exp.version != self.version:
+            return False
+        empty = sum(s.live is None and s.length == 0 for s in self.slots)
+        return (empty > len(self.queue)
+                and self.kv.pages_for(exp.held.size) <= self.kv.free_pages)  # fmt: skip
+
+    def import_context(self, exp: ContextExport) -> None:
+        """Installs an exported idle context into an empty slot, idle (its execution's next
+        call reuses it as if it had stayed); RuntimeError where :meth:`can_import_context`
+        is False."""
+        if not self.can_import_context(exp):
+            raise RuntimeError(f"cell {self.cell.index}: cannot import the context of "
+                               f"{exp.owner!r} (weights, slot or free pages)")  # fmt: skip
+        i = next(j for j, s in enumerate(self.slots) if s.live is None and s.length == 0)
+        slot, n = self.slots[i], exp.held.size
+        self.kv.resize(i, 0, n)
+        rows = gmesh.move(exp.rows, self.programs.rows_sh)
+        if self.paged:
+            pages = np.asarray(self.kv.table(i), np.int32)
+            if rows["v"][0].shape[0] != pages.size or rows["v"][0].shape[2] != self.kv.page_size:
+                raise ValueError(f"cell {self.cell.index}: imported rows are not the "
+                                 f"{pages.size} pages of a {n}-token context")  # fmt: skip
+            self.cache = self.programs.write_pages(self.cache, rows, pages)
+        else:
+            self.cache = self.programs.write_rows(self.cache, rows, np.int32(i))
+        slot.write(0, exp.held)
+        slot.clean = 0  # computed on another cell: never a source for other slots' prompts
+        slot.owner, slot.last_used = exp.owner, next(self._clock)
+        self.kv.touch(i, idle=True)
+        self.evicted.pop(exp.owner, None)
+        self.stats["contexts_imported"] += 1
+
     # ------------------------------------------------------------------ one step
 
     def _place(self, lv: Live) -> bool:
@@ -621,7 +690,7 @@ class Engine:
         idle contexts are evicted LRU until the pool fits (see the module docstring)."""
         idle = [i for i, s in enumerate(self.slots) if s.live is None]
         need = self.kv.pages_for(lv.reserve)
-        if not idle or self._live_pages() + need > self.kv.num_pages:
+        if not idle or self.kv.live_pages() + need > self.kv.num_pages:
             return False
         me = lv.request.execution_id
         best, best_key, reuse = None, None, 0

@@ -61,7 +61,8 @@ class RolloutSpec:
     # contiguous row, as before paging); N > 0 = a pool of pages of N tokens that slots hold
     # through page tables (gyre/kvpool.py): the pool's size is kv_tokens (or device
     # memory), not slots x max_len, prompts are shared by reference, and attention reads each
-    # slot's live pages (blocks of N: kv_block does not apply). max_len must be a multiple of N.
+    # slot's live pages, several pages a block (:func:`paged_kv_block`: kv_block, auto 128, in
+    # whole pages), bit for bit the slot layout's live blocks. max_len must be a multiple of N.
     kv_page: int = bounds.knob(0, bounds.Bound(0))
 
     def __post_init__(self):
@@ -153,12 +154,23 @@ def kv_blocks(r: RolloutSpec) -> tuple[int, int]:
     return AUTO_KV_BLOCK, AUTO_KV_BLOCK if live_decode else 0
 
 
+def paged_kv_block(r: RolloutSpec) -> int:
+    """Entries a paged cache's attention reads a block, prefill and decode: ``r.kv_block``
+    where > 0, else (auto, or 0: a paged cache has no dense path) ``AUTO_KV_BLOCK``, at most
+    ``max_len``, in whole pages (at least one; :func:`attention.pages_per_block`). A block of
+    several pages is gathered into a slot block's layout, so paged rows equal, bit for bit,
+    the slot layout's rows read in live blocks of the same size, whatever the page size (and
+    so do two page sizes with the same block)."""
+    block = min(r.kv_block if r.kv_block > 0 else AUTO_KV_BLOCK, r.max_len)
+    return attention.pages_per_block(r.kv_page, block) * r.kv_page if r.kv_page else block
+
+
 # Stop ids a request may give (the decode loop checks them on the device, padded with -1).
 MAX_STOP_TOKENS = 8
 
 
 def forward_paged(spec: gdec.ModelSpec, weights: dict, tokens_BxT, pos_BxT, cache, table_BxP,
-                  start_B):  # fmt: skip
+                  start_B, block: int = AUTO_KV_BLOCK):  # fmt: skip
     """:func:`gyre.model.decoder.forward_serving` over a paged cache: row b's tokens are
     written to and read from the pages ``table_BxP[b]`` names (token i in page i // ps at
     offset i % ps; entries past a row's pages hold the page count, so writes there are
@@ -187,13 +199,13 @@ def forward_paged(spec: gdec.ModelSpec, weights: dict, tokens_BxT, pos_BxT, cach
         if t == 1:
             k_own, v_own = (a.astype(ks[i].dtype).astype(dtype) for a in (k, v))  # as stored
             out = attention.paged_decode_attention(
-                q, k_own, v_own, ks[i], vs[i], table_BxP, start_B, live
+                q, k_own, v_own, ks[i], vs[i], table_BxP, start_B, block, live
             )
         else:
             if b != 1:
                 raise ValueError(f"a paged prefill runs one row at a time, got {b}")
             out = attention.paged_prefill_attention(
-                q, ks[i], vs[i], table_BxP[0], idx_BxT, start_B + t
+                q, ks[i], vs[i], table_BxP[0], idx_BxT, start_B + t, block
             )
         x = gdec._finish_block(p, x, out, spec, dtype)
     x = gdec.rms_norm(x, weights["final_norm"], spec.rms_eps)
@@ -249,6 +261,7 @@ class Programs:
         max_len = m
         top_p = float(r.top_p)
         prefill_block, decode_block = kv_blocks(r)  # 0: dense attention over max_len
+        paged_block = paged_kv_block(r)
 
         def forward(weights, tokens_BxT, pos_BxT, cache, slot_B, start_B, block, tab):
             """The serving forward; ``tab``: () for slots, (page tables int32[S, P],) paged."""
@@ -257,7 +270,8 @@ class Programs:
                     spec, weights, tokens_BxT, pos_BxT, cache, slot_B, start_B, block
                 )
             table = tab[0] if slot_B is None else tab[0][slot_B]
-            return forward_paged(spec, weights, tokens_BxT, pos_BxT, cache, table, start_B)
+            return forward_paged(spec, weights, tokens_BxT, pos_BxT, cache, table, start_B,
+                                 paged_block)  # fmt: skip
 
         def prefill_row(weights, cache, tokens_1xC, start_1, slot_1, last_1, hash_1, call_1,
                         temp_1, *tab):  # fmt: skip

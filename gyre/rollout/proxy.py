@@ -19,6 +19,11 @@ hands every live request on it to the other rollout cells:
   tokens generated so far, same execution/call ids, so sampling keys line up); the new
   prefill recomputes that KV. The response concatenates both parts.
 
+With 'migrate' a paged cell's idle contexts (executions waiting on a tool) move too, with
+their pages only, to another cell with free pages and an empty slot, where the
+execution's next call goes and reuses them (``Proxy._move_contexts``); otherwise they are
+dropped and re-prefilled.
+
 A request that cannot migrate (no cell with a free slot and room, or no rollout cell left)
 falls back to the retry path and waits in the proxy; ``admit(cell)`` brings a cell back.
 Nothing is lost: the caller sees one uninterrupted completion. Bad input raises ValueError in
@@ -385,6 +390,7 @@ class Proxy:
         engine = self.engines[cell_index]
         counts = collections.Counter()
         moved = self._move_reservations(cell_index, mode)
+        handed = {self.calls[rid].request.execution_id for rid in engine.live_ids()}
         for rid in reversed(engine.live_ids()):  # reversed: appendleft keeps the original order
             call = self.calls[rid]
             try:
@@ -410,11 +416,44 @@ class Proxy:
             else:
                 self._requeue(call, exp.live)
                 counts["retried" if exp.rows is not None else "requeued"] += 1
+        if mode == "migrate":
+            self._move_contexts(engine, moved, skip=handed)
         engine.suspend()
         self.stats.update(counts)
         self._dispatch()
         self._notify()
         return dict(counts)
+
+    def _move_contexts(self, engine, moved: dict, skip=frozenset()) -> None:
+        """'migrate', a paged cell: each idle context on a cell leaving rollout moves with its
+        pages (only them, Engine.export_context) to the cell its execution's reservation went to
+        (resident admission), else to the rollout cell with most free pages that takes it
+        (Engine.can_import_context); where none does, it is dropped (re-prefilled), as the
+        slot layout's are and those of an engine in another process. Executions in ``skip``
+        (their live request was just handed over: the context it left went with it) are left.
+        Counted in ``stats``: contexts_migrated, contexts_dropped."""
+        if not getattr(engine, "paged", False):  # the slot layout: dropped, as before paging
+            return
+        for eid in engine.idle_contexts():
+            if eid in skip:
+                continue
+            exp = engine.export_context(eid)
+            if self.ledger is not None:
+                cands = [moved[eid]] if moved.get(eid) is not None else []
+            else:
+                cands = sorted(self.rollout, key=lambda i: (-self._free_pages(i), i))
+            target = next((i for i in cands if hasattr(self.engines[i], "import_context")
+                           and self.engines[i].can_import_context(exp)), None)  # fmt: skip
+            if target is None:
+                self.stats["contexts_dropped"] += 1
+                continue
+            self.engines[target].import_context(exp)
+            self.affinity[eid] = target
+            self.stats["contexts_migrated"] += 1
+
+    def _free_pages(self, i: int) -> int:
+        kv = getattr(self.engines[i], "kv", None)
+        return kv.free_pages if kv is not None else 0
 
     def _move_reservations(self, cell_index: int, mode: str) -> dict:
         """Resident admission, a cell leaving rollout: 'migrate' moves each reservation on it
