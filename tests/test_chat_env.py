@@ -398,3 +398,19 @@ def test_calc_expert_demonstrations_call_the_tool_about_half_the_time(chat):
                    for m, r in zip(d.loss_masks, d.records))  # fmt: skip
     never = chat_demo_executions(env, seed=1, n=8, direct_prob=0.0, context_window=1024)
     assert all(len(d.records) == 2 for d in never)
+
+
+def test_calc_demonstrations_pack_for_the_warm_start_and_key_its_cache(chat):
+    import experiments.chat_quickstart as chat_quickstart
+    from gyre.envs.calc_chat import CalcEnv
+    from gyre.rl.builder import build_specs
+    from gyre.rl.warmstart import demo_batch, fingerprint
+
+    recipe = build_specs(chat_quickstart.get_config()).sft.recipe
+    env = ChatEnvironment(CalcEnv(), chat)
+    batch = demo_batch(recipe, seed=0, n=6, env=env)
+    assert float(np.asarray(batch.w).sum()) > 0
+    with pytest.raises(ValueError, match="needs the run's chat environment"):
+        demo_batch(recipe, seed=0, n=6)
+    # the tokenizer that makes the demonstrations' tokens is part of the cache key
+    assert fingerprint(recipe, env) != fingerprint(recipe)
