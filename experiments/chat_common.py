@@ -4,6 +4,8 @@
 on CPU in minutes: a random-init model of the same architecture family with a locally trained
 tokenizer and Qwen3's chat template (``model.hf_dir = "tiny"``, gyre/model/tiny_checkpoint.py),
 so every file format, the chat layer and the environment run exactly as they do on a GPU host.
+From random weights a ``tiny`` run exercises the plumbing only (no tool call, reward 0); the
+chat task that learns on CPU, from a shipped warm start, is experiments/chat_quickstart.py.
 """
 
 from gyre.config import default_config
@@ -70,7 +72,7 @@ def base(name: str, env: str):
     c.run.entry = "rl"
     c.env.name = env
     c.env.partial_scale = 0.5
-    c.sft.steps = 0  # the warm start makes ledger demonstrations only
+    c.sft.steps = 0  # demonstrations exist for the ledger and calc tasks only
     c.rollout.temperature = 1.0
     c.eval.temperature = 1.0
     c.scheduler.policy = "elastic"

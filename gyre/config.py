@@ -260,7 +260,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft.batch = recipe.batch  # demonstrations per step
     c.sft.lr = 1e-3
     c.sft.eval_every = sft.eval_every
-    # share of demonstration steps with a corrected near miss
+    # share of demonstration steps with a corrected near miss (calc: answered without the tool)
     c.sft.mistake_prob = recipe.mistake_prob
     c.sft.dir = sft.dir  # cache of warm starts ("" = the shared cache, gyre/cache.py)
     # Seed of the warm start (initial weights, demonstrations); -1 = ``seed``. Set it to vary

@@ -314,3 +314,103 @@ def test_unknown_tool_and_bad_arguments_reach_the_text_env(chat):
     result = asyncio.run(env.step(state, call, "main"))
     assert result.kind == "ok" and "unknown tool 'mul'" in chat.decode(result.obs)
     assert state.inner.calls == [("mul", {"x": 1})] and json.loads(call.args[0]) == {"x": 1}
+
+
+# ---- the calculator task (gyre/envs/calc_chat.py) and its demonstrator -----------------------
+
+
+def test_tool_calls_and_malformed_turns_are_counted_in_the_execution_stats(chat):
+    env = ChatEnvironment(AdderEnv(), chat)
+    res = run(env, ChatScript(chat, scripted(THINK_ADD, BROKEN, THINK_ANSWER)))
+    assert res.stats["tool_calls"] == 1 and res.stats["malformed_calls"] == 1
+    from gyre.envs.chat_env import tool_metrics
+
+    m = tool_metrics([res, res], "eval_")
+    assert m == {"eval_tool_calls": 2, "eval_tool_use": 1.0, "eval_malformed_calls": 2}
+    assert tool_metrics([]) == {}
+
+
+def test_calculator_evaluates_integer_arithmetic_only():
+    from gyre.envs.calc_chat import evaluate_expression
+
+    assert evaluate_expression("347 * 82") == 28454
+    assert evaluate_expression(" (12 - 30) * -2 + 1") == 37
+    for bad in ("2 ** 8", "1 / 2", "__import__('os')", "x", "1.5 + 1", "", "1 +", "9" * 70):
+        with pytest.raises(ValueError):
+            evaluate_expression(bad)
+
+
+def test_calc_answer_rule():
+    from gyre.envs.calc_chat import read_answer
+
+    assert read_answer("28454") == 28454
+    assert read_answer("Let me see.\n<answer>-12</answer>\n") == -12
+    assert read_answer("1,234") == 1234
+    assert read_answer("28454 is it") is None and read_answer("") is None
+
+
+def test_calc_splits_are_disjoint_and_seeded():
+    from gyre.envs.calc_chat import CalcEnv
+
+    env = CalcEnv()
+    train, held = env.make_tasks(3, 300), env.make_tasks(3, 300, "eval")
+    assert all((a + b) % 2 == 0 for a, _, b in (t.params for t in train))
+    assert all((a + b) % 2 == 1 for a, _, b in (t.params for t in held))
+    assert [t.params for t in train] == [t.params for t in env.make_tasks(3, 300)]
+    assert {op for _, op, _ in (t.params for t in train)} == {"+", "-", "*"}
+    assert all(10 <= a < 1000 and 10 <= b < 1000 for a, _, b in (t.params for t in train))
+
+
+def test_calc_right_answer_ranks_above_every_wrong_one():
+    from gyre.envs.calc_chat import CalcEnv
+
+    env = CalcEnv()
+    for task in env.make_tasks(0, 50):
+        right = env.reset(task).value
+        scores = {}
+        for reply in (str(right), str(right + 1), str(right * 10), f"{right} or so", "no idea",
+                      str(right)[:-1] or "0", f"<answer>{right}</answer>"):  # fmt: skip
+            state = env.reset(task)
+            step = asyncio.run(env.answer(state, reply))
+            scores[reply] = (step.kind, env.score(state), env.milestones(state))
+        assert scores[str(right)] == ("done", 1.0, (1, 1))
+        assert scores[f"<answer>{right}</answer>"] == ("done", 1.0, (1, 1))
+        wrong = [v for k, v in scores.items() if k not in (str(right), f"<answer>{right}</answer>")]
+        assert all(v == ("fail", 0.0, (0, 1)) for v in wrong)
+
+
+def test_calc_expert_demonstrations_call_the_tool_about_half_the_time(chat):
+    from gyre.envs.calc_chat import CalcEnv
+    from gyre.rl.demos import chat_demo_executions
+
+    env = ChatEnvironment(CalcEnv(), chat)
+    demos = chat_demo_executions(env, seed=1, n=40, direct_prob=0.5, context_window=1024)
+    calls = [len(d.records) for d in demos]
+    assert all(d.end_reason == "success" for d in demos) and set(calls) == {1, 2}
+    assert 10 <= calls.count(2) <= 30  # with the tool: a call, then the copied result
+    tool = next(d for d in demos if len(d.records) == 2)
+    text = chat.decode(tool.records[0].completion)
+    a, op, b = tool.task.params
+    assert text == format_tool_call("calculator", {"expression": f"{a} {op} {b}"}) + "<|im_end|>"
+    for d in demos:
+        validate_execution(d.records, env.vocab_size)
+        assert all(m.shape == r.completion.shape and m.min() == 1.0
+                   for m, r in zip(d.loss_masks, d.records))  # fmt: skip
+    never = chat_demo_executions(env, seed=1, n=8, direct_prob=0.0, context_window=1024)
+    assert all(len(d.records) == 2 for d in never)
+
+
+def test_calc_demonstrations_pack_for_the_warm_start_and_key_its_cache(chat):
+    import experiments.chat_quickstart as chat_quickstart
+    from gyre.envs.calc_chat import CalcEnv
+    from gyre.rl.builder import build_specs
+    from gyre.rl.warmstart import demo_batch, fingerprint
+
+    recipe = build_specs(chat_quickstart.get_config()).sft.recipe
+    env = ChatEnvironment(CalcEnv(), chat)
+    batch = demo_batch(recipe, seed=0, n=6, env=env)
+    assert float(np.asarray(batch.w).sum()) > 0
+    with pytest.raises(ValueError, match="needs the run's chat environment"):
+        demo_batch(recipe, seed=0, n=6)
+    # the tokenizer that makes the demonstrations' tokens is part of the cache key
+    assert fingerprint(recipe, env) != fingerprint(recipe)

@@ -184,6 +184,9 @@ class _Execution:
             score = self.env.judge(state, reason, self.s.partial_scale)
         stats = dict(self.stats, calls=self.log.num_calls, generated=self.log.generated,
                      detail=detail, seconds=self.clock() - self.t0)  # fmt: skip
+        extra = getattr(self.env, "execution_stats", None)  # e.g. a chat task's tool calls
+        if state is not None and extra is not None:
+            stats.update(extra(state))
         return ExecutionResult(
             self.log.records(reason),
             self.task.task_id,

@@ -131,6 +131,7 @@ class ChatFormat:
                  vocab_size: int | None = None):  # fmt: skip
         self.tokenizer = tokenizer
         self.template = compile_template(template)
+        self.template_text = template
         self.keep_thinking, self.enable_thinking = bool(keep_thinking), bool(enable_thinking)
         self.bos_token, self.eos_token = bos_token, eos_token
         n_tok = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1

@@ -60,6 +60,8 @@ class ChatState:
     task: Task
     inner: Any
     partial: tuple[ToolCall, list[TextStep]] | None = None
+    tool_calls: int = 0  # tool calls run (a retried turn's replayed ones counted once)
+    malformed: int = 0  # turns whose tool calls did not parse
 
 
 class ChatEnvironment(Environment):
@@ -125,6 +127,7 @@ class ChatEnvironment(Environment):
     async def step(self, state: ChatState, call: ToolCall, role: str) -> StepResult:
         if call.name == MALFORMED:
             (error,) = call.args
+            state.malformed += 1
             return StepResult("ok", self.chat.tool_responses([f"Error: {error}"]))
         if call.name == ANSWER:
             (text,) = call.args
@@ -144,12 +147,18 @@ class ChatEnvironment(Environment):
             done.append(
                 await self.text_env.call_tool(state.inner, one.name, json.loads(arguments_json))
             )
+            state.tool_calls += 1
         state.partial = None
         kind = next((r.kind for r in done if r.kind != "ok"), "ok")
         obs = self.chat.after_completion(
             [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, done)]
         )
         return StepResult(kind, obs)
+
+    def execution_stats(self, state: ChatState) -> dict:
+        """Counts the harness adds to an execution's stats (metrics ``tool_calls``,
+        ``malformed_calls``; the transcripts show them)."""
+        return {"tool_calls": state.tool_calls, "malformed_calls": state.malformed}
 
     def deliver(self, state, sub_state, succeeded: bool) -> np.ndarray:
         return np.zeros(0, np.int32)  # text environments start no sub-agents
@@ -186,3 +195,19 @@ class ChatEnvironment(Environment):
         if not 0.0 <= score <= 1.0:
             raise ValueError(f"{self.name}: score() returned {score}, outside [0, 1]")
         return partial_scale * float(score)
+
+
+def tool_metrics(results, prefix: str = "") -> dict:
+    """Tool use of finished executions (their harness stats from
+    :meth:`ChatEnvironment.execution_stats`): ``tool_calls`` run in all, ``tool_use`` the share
+    of executions that ran at least one, ``malformed_calls``; {} when no execution counted any
+    (a token environment)."""
+    stats = [r.stats for r in results if r.stats and "tool_calls" in r.stats]
+    if not stats:
+        return {}
+    calls = [int(s["tool_calls"]) for s in stats]
+    return {
+        f"{prefix}tool_calls": sum(calls),
+        f"{prefix}tool_use": float(np.mean([c > 0 for c in calls])),
+        f"{prefix}malformed_calls": sum(int(s.get("malformed_calls", 0)) for s in stats),
+    }

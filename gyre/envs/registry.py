@@ -82,13 +82,20 @@ def _reasoning_gym(spec: EnvSpec) -> TextEnvironment:
 TOKEN_ENVIRONMENTS = {"ledger": _ledger, "code_bytes": _code_bytes}
 
 
+def _calc(spec: EnvSpec) -> TextEnvironment:
+    from gyre.envs.calc_chat import CalcEnv  # arithmetic with a calculator tool
+
+    return CalcEnv(tool_timeout=spec.tool_timeout)
+
+
 def _template(spec: EnvSpec) -> TextEnvironment:
     from gyre.envs.template import TemplateEnv  # the file to copy (README: add an environment)
 
     return TemplateEnv(tool_timeout=spec.tool_timeout)
 
 
-TEXT_ENVIRONMENTS = {"code": _code, "reasoning_gym": _reasoning_gym, "template": _template}
+TEXT_ENVIRONMENTS = {"code": _code, "reasoning_gym": _reasoning_gym, "template": _template,
+                     "calc": _calc}  # fmt: skip
 ENVIRONMENTS = TOKEN_ENVIRONMENTS | TEXT_ENVIRONMENTS
 
 

@@ -30,6 +30,7 @@ from gyre.model import decoder, hf_dir
 from gyre.model.safetensors_io import CheckpointError
 from gyre.rl import evaluation
 from gyre.rl.specs import EvalSpec, RunSpec, SftRecipe, SftSpec, Specs
+from gyre.rl.warmstart import DEMONSTRATED
 from gyre.rollout.engine import Engine
 from gyre.rollout.programs import RolloutSpec
 from gyre.rollout.proxy import Proxy
@@ -149,9 +150,9 @@ def _build(keys: ConfigKeys) -> Specs:
         raise ConfigError("config key 'cluster.backend' ('ray') runs the RL entry without a "
                           "warm start: set sft.steps=0 (start from a warm start's export "
                           "with model.hf_dir) and run.entry='rl'")  # fmt: skip
-    if is_chat(env_name) and sft_steps:
+    if is_chat(env_name) and sft_steps and env_name not in DEMONSTRATED:
         raise ConfigError(f"config key 'sft.steps' must be 0 for the chat task {env_name!r}: "
-                          "the warm start makes ledger demonstrations")  # fmt: skip
+                          f"the warm start has demonstrations of {list(DEMONSTRATED)} only")  # fmt: skip
     rows = keys["train.rows_per_microbatch"]  # 0 = auto: check_memory sets it
     rows_auto, rows = rows == 0, rows or TrainerSpec.rows_per_microbatch
     trainer = TrainerSpec(

@@ -13,6 +13,7 @@ import numpy as np
 
 from gyre.agent.context import AgentSettings
 from gyre.agent.harness import run_executions
+from gyre.envs.chat_env import tool_metrics
 from gyre.metrics import standard_error
 
 # Held-out tasks come from the task seed HELD_OUT_BASE + seed; training draws one task seed per
@@ -75,6 +76,7 @@ async def evaluate(env, client, settings: AgentSettings, num_tasks: int, seed: i
         "eval_milestones": float(milestones.mean()),
         "eval_milestones_se": standard_error(milestones),
         "eval_tasks": len(res),
+        **tool_metrics(res, "eval_"),  # a chat task's tool use
         # per task, in task order: two evaluations of one run compare task by task
         "eval_outcomes": {"eval_success": success.tolist(), "eval_milestones": milestones.tolist()},
     }

@@ -17,6 +17,7 @@ import time
 from gyre import plots, smoke
 from gyre.agent.driver import run_scripted_harness
 from gyre.cache import cache_dir
+from gyre.envs.chat_env import tool_metrics
 from gyre.envs.registry import is_chat, make_env
 from gyre.errors import AlreadyFinished, ConfigError, Stopped
 from gyre.metrics import (
@@ -66,6 +67,7 @@ class StepRecorder:
         self.run_clock.step_done(record.version)
         ended = round(self.ctrl.timeline.now(), 3)  # roles.png's step ends
         metrics = step_metrics(record, specs.trajectory.reward)
+        metrics.update(tool_metrics(record.results))  # a chat task's tool calls
         self.ledger.record_step(record.step, record.execution_ids, record.groups)
         # what the agent did, readable: the best, the worst and two more of the step
         write_step_transcripts(self.rt.path("executions.txt"), record.version, record.results,
@@ -111,7 +113,7 @@ def run_warm_start(rt, log=print, on_step=None) -> tuple[object, dict]:
     params, info = warm_start(
         sft, rt.cells, rt.graphdef, init, cache_dir("warmstart", sft.dir),
         # keyed by the warm start's seed: its stopping rule may read this evaluation
-        lambda p: rt.evaluate_now(p, sft.eval_tasks, seed + 1), log, on_step,
+        lambda p: rt.evaluate_now(p, sft.eval_tasks, seed + 1), log, on_step, env=rt.env,
     )  # fmt: skip
     return params, info
 

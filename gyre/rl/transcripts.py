@@ -175,6 +175,9 @@ def render_execution(
               if stats.get(k)]  # fmt: skip
     if counts:
         lines.append("branches: " + ", ".join(counts))
+    if "tool_calls" in stats:  # a chat task's (gyre/envs/chat_env.py execution_stats)
+        lines.append(f"tool calls: {stats['tool_calls']} run, "
+                     f"{stats.get('malformed_calls', 0)} malformed")  # fmt: skip
     detail = str(stats.get("detail") or "")
     if "\n" in detail or len(detail) > 100:  # e.g. a harness traceback: an indented block
         lines += ["ending detail:", _indent(clip(detail, max_chars))]
