@@ -53,7 +53,7 @@ def _launch(*flags):
         ("--config.mesh.cell_size=3", "mesh.cell_size"),
         ("--config.train.lr=fast", "lr"),
         ("--config=experiments/quickstart.py:colocat", "unknown quickstart variant 'colocat'"),
-        ("--config.train.rows_per_microbatch=0", "train.rows_per_microbatch"),
+        ("--config.train.rows_per_microbatch=-1", "train.rows_per_microbatch"),
         ("--config.trajectory.row_len=-128", "trajectory.row_len"),
         ("--config.model.num_kv_heads=0", "model.num_kv_heads"),
         # smoke's model (vocabulary 64) cannot serve the ledger (28): checked before writing

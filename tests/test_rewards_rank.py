@@ -18,7 +18,7 @@ from gyre.envs.base import Task, ToolCall
 from gyre.envs.registry import ENVIRONMENTS
 
 PARTIAL = 0.5
-FAMILIES = {"ledger", "code_bytes", "code", "reasoning_gym", "template"}
+FAMILIES = {"ledger", "code_bytes", "code", "reasoning_gym", "template", "calc"}
 
 
 def test_every_registered_family_is_covered_here():
@@ -118,6 +118,30 @@ def test_template_right_total_beats_any_wrong_total(seed, adds, delta, sign):
     right, wrong = run(str(total)), run(str(total + sign * delta))
     sentence = run(f"The total is {total}.")  # the rule: the whole reply is the answer
     assert right == 1.0 > wrong and sentence >= wrong
+
+
+# ---------------------------------------------------------------------------------------- calc
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10_000), delta=st.integers(-10_000, 10_000),
+       tool=st.booleans(), prose=st.sampled_from(["", "The product is below.\n"]))  # fmt: skip
+def test_calc_right_answer_beats_any_wrong_number(seed, delta, tool, prose):
+    from gyre.envs.calc_chat import CalcEnv
+
+    env = CalcEnv()
+    task = env.make_tasks(seed, 1, split="train" if seed % 2 else "eval")[0]
+    a, op, b = task.params
+
+    def run(answer_text):
+        state = env.reset(task)
+        if tool:  # the same tool call on both sides
+            asyncio.run(env.call_tool(state, "calculator", {"expression": f"{a} {op} {b}"}))
+        step = asyncio.run(env.answer(state, prose + answer_text))
+        return paid(step.kind, env.score(state), env.milestones(state))
+
+    right = env.reset(task).value  # the rule: the reply's last line, read as an integer
+    assert run(str(right)) == 1.0
+    if delta:
+        assert run(str(right + delta)) < 1.0
 
 
 # -------------------------------------------------------------------------------------- ledger
