@@ -16,7 +16,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from oracles import flat_rows, path_behaviour
 from strategies import branchy_execution
@@ -300,8 +300,11 @@ def stale_trainer(setup):
     return Trainer(specs.trainer, cells, graphdef, params, version=STALE_VERSION)
 
 
-def check_record_equivalence(setup, trainer, execs):
-    """Loss, metrics and gradient of the tree-packed batch == those of the record-built rows."""
+def check_record_equivalence(setup, trainer, execs, reject_zero=False):
+    """Loss, metrics and gradient of the tree-packed batch == those of the record-built rows.
+    reject_zero: a case whose gradients are both exactly zero (every token's ratio clipped,
+    possible for a drawn case: seed 700, 14 calls) is equal but shows nothing, so hypothesis
+    draws another instead."""
     batches = record_batches(setup, execs)
     if batches is None:
         return
@@ -314,6 +317,8 @@ def check_record_equivalence(setup, trainer, execs):
     np.testing.assert_allclose(mt["loss"], mf["loss"], rtol=1e-5, atol=1e-7)
     for key in ("w_sum", "stale_frac", "version_lag", "approx_kl"):
         np.testing.assert_allclose(mt[key], mf[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    if reject_zero and not (_flat_leaves(gt.grads).any() or _flat_leaves(gf.grads).any()):
+        assume(False)
     assert_same_grads(gt.grads, gf.grads)
 
 
@@ -326,7 +331,7 @@ def _rows_per_execution(batch):
 @given(st.integers(0, 10_000), st.integers(14, 28))
 def test_pack_equals_records_on_branchy_executions(setup, stale_trainer, seed, n_calls):
     """Tree packing vs the record-built flat rows; rows of 128 force splits of big trees."""
-    check_record_equivalence(setup, stale_trainer, branchy(setup, seed, n_calls))
+    check_record_equivalence(setup, stale_trainer, branchy(setup, seed, n_calls), reject_zero=True)
 
 
 @pytest.mark.slow
