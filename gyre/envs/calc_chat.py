@@ -208,43 +208,6 @@ def init_checkpoint(root: str, spec, seed: int = 0) -> str:
     from ``seed`` and a ``spec.vocab_size``-token tokenizer trained on
     :func:`tokenizer_corpus`, with Qwen3's chat template. Its prompts are about half as long
     as with the generic tiny tokenizer (158 tokens instead of 297)."""
-    import hashlib
-    import json
-    import os
-    import shutil
-    import tempfile
+    from gyre.model.tiny_checkpoint import cached_tiny_qwen3
 
-    from gyre.model import hf
-    from gyre.model.safetensors_io import write_folder, write_json
-    from gyre.model.tiny_checkpoint import (
-        EOS_TOKEN,
-        PAD_TOKEN,
-        QWEN3_CHAT_TEMPLATE,
-        random_params,
-        train_tokenizer,
-        write_tokenizer_files,
-    )
-
-    corpus = tokenizer_corpus()
-    key = json.dumps([hf.config_to_hf(spec), seed, QWEN3_CHAT_TEMPLATE, corpus], sort_keys=True)
-    path = os.path.join(root, "calc-" + hashlib.sha256(key.encode()).hexdigest()[:16])
-    if os.path.isdir(path):
-        return path
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-    try:
-        tokenizer = train_tokenizer(spec.vocab_size, corpus)
-        config = hf.config_to_hf(spec)
-        config.update(bos_token_id=tokenizer.token_to_id(PAD_TOKEN),
-                      eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
-                      rope_theta=float(spec.rope_theta))  # fmt: skip
-        write_json(os.path.join(tmp, "config.json"), config)
-        write_folder(tmp, hf.pure_to_hf(random_params(spec, seed), spec))
-        write_tokenizer_files(tmp, tokenizer)
-        os.rename(tmp, path)
-    except OSError:
-        if not os.path.isdir(path):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_tiny_qwen3(root, spec, seed, corpus=tokenizer_corpus())

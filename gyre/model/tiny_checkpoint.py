@@ -294,6 +294,7 @@ def write_tiny_qwen3(
     seed: int = 0,
     vocab_size: int | None = None,
     max_shard_bytes: int | None = None,
+    corpus: list[str] | None = None,
 ) -> str:
     """Writes a complete HF Qwen3 directory at ``path`` and returns ``path``.
 
@@ -301,13 +302,14 @@ def write_tiny_qwen3(
     locally with at most ``vocab_size`` tokens (default ``spec.vocab_size``, which must be at
     least :data:`MIN_VOCAB`); the model's vocabulary may be larger, as Qwen3's is. Weights
     are sharded with an index when larger than ``max_shard_bytes`` (default: one file).
+    ``corpus``: the tokenizer's training text (default: :func:`train_tokenizer`'s own).
     """
     vocab_size = spec.vocab_size if vocab_size is None else vocab_size
     if vocab_size > spec.vocab_size:
         raise ValueError(
             f"tokenizer vocab_size={vocab_size} exceeds the model's vocab_size={spec.vocab_size}"
         )
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size, corpus)
     pure = random_params(spec, seed)
     os.makedirs(path, exist_ok=True)
     config = hf.config_to_hf(spec)
@@ -333,13 +335,19 @@ def write_tokenizer_files(
     write_json(os.path.join(path, "generation_config.json"), generation_config(tokenizer))
 
 
-def tiny_qwen3_path(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
-    """Where :func:`cached_tiny_qwen3` keeps (spec, seed)'s directory; writes nothing."""
-    key = json.dumps([hf.config_to_hf(spec), seed, QWEN3_CHAT_TEMPLATE], sort_keys=True)
+def tiny_qwen3_path(root: str, spec: decoder.ModelSpec, seed: int = 0,
+                    corpus: list[str] | None = None) -> str:  # fmt: skip
+    """Where :func:`cached_tiny_qwen3` keeps (spec, seed, corpus)'s directory; writes
+    nothing."""
+    parts = [hf.config_to_hf(spec), seed, QWEN3_CHAT_TEMPLATE]
+    if corpus is not None:  # only then: the default corpus keeps the names it always had
+        parts.append(corpus)
+    key = json.dumps(parts, sort_keys=True)
     return os.path.join(root, "qwen3-" + hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
-def cached_tiny_qwen3(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
+def cached_tiny_qwen3(root: str, spec: decoder.ModelSpec, seed: int = 0,
+                      corpus: list[str] | None = None) -> str:  # fmt: skip
     """A :func:`write_tiny_qwen3` directory for (spec, seed) under ``root``, written once.
 
     Named by a hash of what it depends on (the HF config of ``spec``, the seed, the chat
@@ -347,13 +355,13 @@ def cached_tiny_qwen3(root: str, spec: decoder.ModelSpec, seed: int = 0) -> str:
     folder first and renamed, so a crash never leaves half a checkpoint and two runs racing
     to make it both end up with the same files.
     """
-    path = tiny_qwen3_path(root, spec, seed)
+    path = tiny_qwen3_path(root, spec, seed, corpus)
     if os.path.isdir(path):
         return path
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     try:
-        write_tiny_qwen3(tmp, spec, seed)
+        write_tiny_qwen3(tmp, spec, seed, corpus=corpus)
         os.rename(tmp, path)
     except OSError:
         if not os.path.isdir(path):
