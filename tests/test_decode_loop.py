@@ -7,10 +7,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from rollout_world import CELLS, SPEC, STATE
+from rollout_world import CELLS, SPEC, STATE, compiles_under_varied_load, prompt, request
 from test_engine import reference_logprobs
 
-from benchmarks.switch import CompileCounter
 from gyre import mesh as gmesh
 from gyre.config import default_config
 from gyre.errors import ConfigError
@@ -25,16 +24,6 @@ from gyre.rollout.programs import (
     loop_steps,
     programs_for,
 )
-from gyre.rollout.types import GenerateRequest
-
-
-def request(name, prompt, new, temperature=1.0, stop=(), call=0):
-    return GenerateRequest(name, call, np.asarray(prompt, np.int32), new, tuple(stop), temperature)
-
-
-def prompt(seed, n):
-    return np.random.default_rng(seed).integers(0, 64, n).astype(np.int32)
-
 
 STOPS = (3, 7, 11, 13, 17, 19, 23, 29)  # 8 of 64 ids: some requests stop early
 
@@ -148,23 +137,9 @@ def test_new_weights_make_resident_prefixes_unusable_as_sources():
 def test_nothing_recompiles_as_the_number_of_live_requests_changes(kv_block):
     spec = dataclasses.replace(SPEC, decode_steps=4, kv_block=kv_block)
     engine = Engine(spec, CELLS[2], STATE)
-    engine.warmup()
-    counter = CompileCounter()
-    counter.active = True
-    try:
-        for n in (1, 3, 4, 6, 2):
-            for i in range(n):
-                engine.submit(request(f"n{n}-{i}", prompt(n * 10 + i, 2 + 7 * i), 1 + 3 * i,
-                                      0.0 if i % 2 else 1.0, stop=(5,) * (i % 3)))  # fmt: skip
-            engine.run_until_done()
-        shared = prompt(99, 30)
-        for i in range(3):
-            engine.submit(request(f"g{i}", shared, 5))
-        engine.run_until_done()
-    finally:
-        counter.active = False
+    compiles = compiles_under_varied_load(engine)
     assert engine.stats["shared_tokens"] > 0
-    assert counter.compiles == 0, f"{counter.compiles} compilations after warmup"
+    assert compiles == 0, f"{compiles} compilations after warmup"
 
 
 def test_too_many_stop_tokens_is_refused_by_name():

@@ -7,27 +7,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-from rollout_world import CELLS, SPEC, STATE
+from rollout_world import CELLS, SPEC, STATE, compiles_under_varied_load, prompt, request
 from test_engine import reference_logprobs
 
-from benchmarks.switch import CompileCounter
 from gyre.rollout.engine import Engine, paged_pool_pages
 from gyre.rollout.proxy import Proxy
-from gyre.rollout.types import GenerateRequest
 
 PAGE = 16
 PAGED = dataclasses.replace(SPEC, kv_page=PAGE)
 # the slot layout reading its cache in live blocks of 128 (at most max_len, 64 here): the
 # arithmetic of the paged cache, which reads blocks of 128 entries (4 pages here), bit for bit
 SLOTS = dataclasses.replace(SPEC, kv_block=128)
-
-
-def request(name, prompt, new, temperature=1.0, stop=(), call=0):
-    return GenerateRequest(name, call, np.asarray(prompt, np.int32), new, tuple(stop), temperature)
-
-
-def prompt(seed, n):
-    return np.random.default_rng(seed).integers(0, 64, n).astype(np.int32)
 
 
 def run(requests, spec=PAGED, cell=0, check=True):
@@ -241,25 +231,14 @@ def test_release_moves_idle_contexts_and_the_next_call_reuses_them():
 def test_nothing_recompiles_as_live_requests_and_page_counts_change():
     spec = dataclasses.replace(PAGED, decode_steps=4, kv_tokens=160)  # 10 pages: evictions
     engine = Engine(spec, CELLS[2], STATE)
-    engine.warmup()
-    counter = CompileCounter()
-    counter.active = True
-    try:
-        for n in (1, 3, 4, 6, 2):
-            for i in range(n):
-                engine.submit(request(f"n{n}-{i}", prompt(n * 10 + i, 2 + 7 * i), 1 + 3 * i,
-                                      0.0 if i % 2 else 1.0, stop=(5,) * (i % 3)))  # fmt: skip
-            engine.run_until_done()
-        shared = prompt(99, 30)
-        for i in range(3):
-            engine.submit(request(f"g{i}", shared, 5))
+
+    def rewind(engine):  # into a shared page
+        engine.submit(request("g0", prompt(99, 30)[:21], 4, call=1))
         engine.run_until_done()
-        engine.submit(request("g0", shared[:21], 4, call=1))  # a rewind into a shared page
-        engine.run_until_done()
-    finally:
-        counter.active = False
+
+    compiles = compiles_under_varied_load(engine, rewind)
     assert engine.stats["shared_tokens"] > 0 and engine.stats["evictions"] > 0
-    assert counter.compiles == 0, f"{counter.compiles} compilations after warmup"
+    assert compiles == 0, f"{compiles} compilations after warmup"
 
 
 def test_page_count_from_kv_tokens_memory_or_slots():
