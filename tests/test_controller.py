@@ -129,10 +129,10 @@ def test_random_role_switches_lose_nothing_and_change_no_token(shared, tmp_path,
         assert [c[:2] for c in a[eid]] == [c[:2] for c in b[eid]], eid
     if mode == "migrate":  # rows, length and sampler state move: bit-exact
         assert a == b
-    else:  # the new prefill recomputes the KV rows: rounding (~5e-7 seen) in later logprobs
+    else:  # the new prefill recomputes the KV rows: last bits (4.8e-7 seen), docs/exactness.md
         drift = max(np.abs(np.subtract(x[2], y[2])).max(initial=0.0)
                     for eid in a for x, y in zip(a[eid], b[eid]))  # fmt: skip
-        assert drift < 1e-5, drift
+        assert drift < 1e-4, drift
 
 
 def _launch(workdir, shared, steps, kill_after=0, signal="KILL", extra=()):
