@@ -279,12 +279,18 @@ def test_hand_over_moves_or_drops_the_reservation_and_stays_exact(mode):
             assert counts == {"migrated": 1} and led.cell_of("h0") == 1
             assert led.used == [0.0, 29.0 + 32.0]  # footprints 10 + 20 - 1, 13 + 20 - 1
             assert led.youngest(1) == "h1"  # moved: h0 keeps its place in admission order
+            # What the scheduler policy reads (LoadSnapshot's kv_reserved / kv_free_tokens)
+            assert proxy.kv_room() == {
+                "kv_reserved_tokens": (0.0, 61.0),
+                "kv_free_tokens": (100.0, 39.0),
+            }
         else:  # dropped, then admitted anew (the only open cell): now the youngest
             assert counts == {"retried": 1} and led.youngest(1) == "h0"
         out = await drive(proxy, tasks)
         assert led.cell_of("h0") == 1  # admitted anew after the retry
         return out
 
+    assert new_proxy(2, 100, "none").kv_room() == {}  # not tracked without the ledger
     proxy = new_proxy(2, 100)
     got = asyncio.run(script(proxy))
     check_pools(proxy)

@@ -41,6 +41,8 @@ def snap(
     next_batch=8,
     r2t=8.5,
     t2r=3.5,
+    reserved=(),
+    free=(),
 ):
     k = len(roles)
     return LoadSnapshot(
@@ -61,6 +63,8 @@ def snap(
         trainable_tokens=trainable,
         rolled_out=rolled_out,
         rollout_tokens_per_s=rate,
+        kv_reserved_tokens=tuple(reserved),
+        kv_free_tokens=tuple(free),
     )
 
 
@@ -219,7 +223,23 @@ def test_base_split_sizes_training_by_the_measured_rates():
     # Within the band the current base (the leading train cells) stays: no flapping.
     assert base_train_cells(snap([T, T, R, R, R, R, R, R], rate=250.0)) == 2
     assert base_train_cells(snap([T, T, T, T, R, R, R, R], rate=250.0)) == 3  # 4 > 2.5 x 1.2 + 1
-    assert base_train_cells(snap([T, R, R, R, R, R, R, R], rate=250.0)) == 3  # 1 < 2.5 x 0.8
+    assert base_train_cells(snap([T, R, R, R, R, R, R, R], rate=250.0)) == 2  # 1 < 2.5 x 0.8
+
+
+def test_base_split_moves_one_cell_per_decision():
+    """Outside the band the base steps one cell towards ceil(x), never jumps (from no base it
+    goes straight there): the rate measured under one split answers it, and a jump swings."""
+    lead = lambda n: [T] * n + [R] * (8 - n)  # noqa: E731
+    assert base_train_cells(snap(lead(1), rate=650.0)) == 2  # ceil(6.5) = 7, one step
+    assert base_train_cells(snap(lead(7), rate=150.0)) == 6  # ceil(1.5) = 2, one step down
+    assert base_train_cells(snap(lead(0), rate=650.0)) == 7  # no base yet: straight to it
+    # Followed decision by decision under a fixed measured rate (x = 5.5), the base walks
+    # one cell at a time into the band (4.4 <= n < 7.6) and stays there.
+    roles, seen = lead(1), []
+    for _ in range(8):
+        roles = lead(base_train_cells(snap(roles, rate=550.0)))
+        seen.append(roles.count(T))
+    assert seen == [2, 3, 4, 5, 5, 5, 5, 5]
 
 
 def test_elastic_holds_the_measured_split_and_uses_the_throughput_rule_before():
@@ -257,6 +277,29 @@ def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
     # A cell with live requests is never lent, and neither is the base's first rollout cell.
     busy = {**base, "live": [0, 0, 5, 0]}
     assert elastic(snap([R] * 4, **busy), p).roles == (T, R, R, T)
+
+
+def test_a_cell_is_lent_only_if_the_cells_that_stay_hold_its_kv_reservations():
+    """Resident admission: lending a cell hands its reserved contexts to the rollout cells that
+    stay; where they lack the room, the contexts would be evicted (prefilled again) or their
+    executions preempted, so the cell is not lent."""
+    p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
+    work = 3 * RT * 300 + 1
+    base = dict(outstanding=4, trainable=work, rate=50.0, step=3, version=1)
+    # Cells 2 and 3 are idle and hold 500 reserved tokens each; cell 1 stays (the base's
+    # first rollout cell). Room for both in cell 1: both lent.
+    roomy = dict(reserved=[0, 400, 500, 500], free=[0, 1000, 100, 100])
+    assert elastic(snap([R] * 4, **base, **roomy), p).roles == (T, R, T, T)
+    # Room for one: cell 2 goes (its 500 fit in cells 1 and 3: 700); cell 3's 500 would
+    # then share cell 1's 600 with cell 2's 500 already moved there, so it stays.
+    tight = dict(reserved=[0, 400, 500, 500], free=[0, 600, 100, 100])
+    assert elastic(snap([R] * 4, **base, **tight), p).roles == (T, R, T, R)
+    # No room at all: nobody is lent; untracked (empty) reservations: the rule is off.
+    full = dict(reserved=[0, 400, 500, 500], free=[0, 0, 0, 0])
+    assert elastic(snap([R] * 4, **base, **full), p).roles == (T, R, R, R)
+    assert elastic(snap([R] * 4, **base), p).roles == (T, R, T, T)
+    # A cell already lent (training, no reservations left) stays lent.
+    assert elastic(snap([T, R, T, R], **base, **full), p).roles == (T, R, T, R)
 
 
 def test_policy_params_bounds():
@@ -309,6 +352,12 @@ def test_snapshot_validation():
         LoadSnapshot((R, R), 1, 1, 0, (0,), 0.0, (1.0, 1.0), (1.0, 1.0), 1.0, 1.0)
     with pytest.raises(ValueError, match="finished"):
         LoadSnapshot((R,), 1, 1, 2, (0,), 0.0, (1.0,), (1.0,), 1.0, 1.0)
+    with pytest.raises(ValueError, match="kv_reserved_tokens has 1 entries"):
+        snap([R, R], reserved=[1.0], free=[1.0])
+    with pytest.raises(ValueError, match="kv_free_tokens must be >= 0"):
+        snap([R, R], reserved=[1.0, 1.0], free=[1.0, -1.0])
+    with pytest.raises(ValueError, match="given together"):
+        snap([R, R], reserved=[1.0, 1.0])
 
 
 snapshots = st.builds(

@@ -92,6 +92,12 @@ def test_hand_over_moves_reservations_with_the_contexts():
     run_until(sim, 500.0)  # two idle contexts per cell, in their tool waits
     led = sim.memory.ledger
     assert sorted(led.cell_of(es) for es in sim.open_es) == [0, 0, 1, 1]
+    # The policy sees the ledger: per cell, tokens reserved and the room left.
+    snap = sim._snapshot()
+    assert snap.kv_reserved_tokens == tuple(led.used) and sum(led.used) > 0
+    assert snap.kv_free_tokens == tuple(4 * 1300.0 - u for u in led.used)
+    plain = Simulator(steps, 2, "colocate", dataclasses.replace(cost, resident_admission=False))
+    assert plain._snapshot().kv_reserved_tokens == ()  # no ledger: not tracked
     sim._switch(sim.cells[1], TRAIN)
     assert [led.cell_of(es) for es in sim.open_es] == [0] * 4
     assert len(sim.cells[0].idle) == 4 and sim.counters["migrated_contexts"] == 2

@@ -64,6 +64,15 @@ class ResidentAdmission:
     def free(self, cell: int) -> float:
         return self.capacity - self.used[cell]
 
+    def room(self, cells: Iterable[int]) -> dict:
+        """The policy's view of the ledger for ``cells`` (LoadSnapshot's ``kv_reserved_tokens``
+        and ``kv_free_tokens``): tokens reserved on each, and the unreserved room (>= 0)."""
+        cells = list(cells)
+        return {
+            "kv_reserved_tokens": tuple(max(self.used[c], 0.0) for c in cells),  # float sums
+            "kv_free_tokens": tuple(max(self.free(c), 0.0) for c in cells),
+        }
+
     def count(self, cell: int) -> int:
         """Executions admitted to ``cell`` now."""
         return self.counts[cell]

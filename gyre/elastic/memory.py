@@ -46,6 +46,10 @@ class NoMemory:
         """Executions a rollout cell counts as holding, for the policy."""
         return self.cost.slots
 
+    def kv_room(self) -> dict:
+        """LoadSnapshot's per-cell KV reservations and free room ({}: not tracked)."""
+        return {}
+
     def dispatched(self, es) -> None:
         pass
 
@@ -606,6 +610,9 @@ class ResidentPools(TokenPools):
     def _slots(self) -> int:
         """Executions a cell admits at most (0: no cap)."""
         return 0
+
+    def kv_room(self) -> dict:
+        return self.ledger.room(range(self.sim.k))
 
     def _can_place(self, c, req) -> bool:
         """Whether ``c`` can take the request now (beside the ledger's own room)."""

@@ -46,6 +46,11 @@ class LoadSnapshot:
       wide: the tokens of every execution ended so far / the seconds since the first
       execution was admitted (0 until one has ended). With ``train_throughput`` it sizes the
       train cells ``elastic`` holds (the train work per second, in cells).
+    kv_reserved_tokens / kv_free_tokens: per cell, the KV tokens resident admission reserves
+      for the executions admitted there (their contexts stay between calls) and the room left
+      unreserved; empty when not tracked (admission 'none'). ``elastic`` lends a rollout cell
+      only if the cells that stay can take its reservations: otherwise lending it would evict
+      contexts that must then be prefilled again, or preempt executions.
     """
 
     roles: tuple[str, ...]
@@ -65,6 +70,8 @@ class LoadSnapshot:
     trainable_tokens: float = 0.0
     rolled_out: bool = False
     rollout_tokens_per_s: float = 0.0
+    kv_reserved_tokens: tuple[float, ...] = ()
+    kv_free_tokens: tuple[float, ...] = ()
 
     def __post_init__(self):
         k = len(self.roles)
@@ -75,6 +82,17 @@ class LoadSnapshot:
                 raise ValueError(
                     f"LoadSnapshot.{name} has {len(getattr(self, name))} entries, roles has {k}"
                 )
+        for name in ("kv_reserved_tokens", "kv_free_tokens"):
+            xs = getattr(self, name)
+            if len(xs) not in (0, k):
+                raise ValueError(f"LoadSnapshot.{name} has {len(xs)} entries, roles has {k}")
+            if not all(x >= 0 for x in xs):
+                raise ValueError(f"LoadSnapshot.{name} must be >= 0, got {xs}")
+        if len(self.kv_reserved_tokens) != len(self.kv_free_tokens):
+            raise ValueError(
+                "LoadSnapshot.kv_reserved_tokens and kv_free_tokens are given together or not "
+                f"at all, got {len(self.kv_reserved_tokens)} and {len(self.kv_free_tokens)}"
+            )
         if any(r not in (ROLLOUT, TRAIN) for r in self.roles):
             raise ValueError(f"LoadSnapshot.roles must be 'rollout' or 'train', got {self.roles}")
         if not self.trainable_tokens >= 0:
@@ -329,8 +347,14 @@ BASE_BAND = 0.2
 def base_train_cells(snap: LoadSnapshot) -> int:
     """Train cells the measured figures call for, in [1, K - 1]; 0 while either figure is
     unmeasured or with one cell. Need x = rollout_tokens_per_s / mean train_throughput (the
-    cells training must run to keep pace with rollout). The current base (the leading train
-    cells) stays while ``x (1 - BASE_BAND) <= n < x (1 + BASE_BAND) + 1``, else ceil(x)."""
+    cells training must run to keep pace with rollout). The current base n (the leading train
+    cells) stays while ``x (1 - BASE_BAND) <= n < x (1 + BASE_BAND) + 1``; otherwise it moves
+    one cell towards ceil(x) (from no base, straight to it).
+
+    Why one cell: the rollout rate is measured under the current split and answers it (fewer
+    rollout cells, fewer tokens per second), so a jump to ceil(x) can overshoot and the next
+    decision jump back (measured in the simulator: the base swinging between 5 and 7 train
+    cells of 8 where training dominates). A cell at a time lets the rate settle under each."""
     k = snap.num_cells
     tp = sum(snap.train_throughput) / k
     if k < 2 or snap.rollout_tokens_per_s <= 0 or tp <= 0:
@@ -338,8 +362,18 @@ def base_train_cells(snap: LoadSnapshot) -> int:
     x = snap.rollout_tokens_per_s / tp
     n = next((i for i, r in enumerate(snap.roles) if r != TRAIN), k)
     if not x * (1 - BASE_BAND) <= n < x * (1 + BASE_BAND) + 1:
-        n = math.ceil(x - 1e-9)
+        target = math.ceil(x - 1e-9)
+        n = target if n == 0 else min(max(target, n - 1), n + 1)
     return min(max(n, 1), k - 1)
+
+
+def _room_for(snap: LoadSnapshot, i: int, staying, moved: float) -> bool:
+    """Whether the KV reservations on cell ``i`` fit in the free room of ``staying`` beside the
+    ``moved`` tokens already handed to them (always true when the snapshot does not track
+    reservations)."""
+    if not snap.kv_reserved_tokens:
+        return True
+    return snap.kv_reserved_tokens[i] + moved <= sum(snap.kv_free_tokens[j] for j in staying)
 
 
 def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Allocation:
@@ -355,7 +389,8 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     trainable tokens keep the train cells, it included, busy for more than
     ``leave_round_trips`` switch round trips (one once the oldest step has rolled out); a
     lent cell stays lent while trainable work is left and nothing waits, then returns. Cell
-    n, the base's first rollout cell, is never lent.
+    n, the base's first rollout cell, is never lent, and a cell is lent only if the rollout
+    cells that stay have free room for its KV reservations (when the snapshot tracks them).
     Only a cell with no live request is lent, to a role with work waiting: the policy is the
     base split plus work the split would leave undone, at the cost of the switches and of
     handing over the lent cell's idle contexts.
@@ -367,7 +402,7 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     dispatch = _may_dispatch(snap, params.max_staleness)
     roles = [TRAIN] * n + [ROLLOUT] * (k - n)
     waiting = snap.dispatched > snap.started or (dispatch and snap.next_batch > 0)
-    work, lent = snap.trainable_tokens, []
+    work, lent, moved = snap.trainable_tokens, [], 0.0
     if work > 0 and not waiting:
         round_trip = snap.switch_r2t_s + snap.switch_t2r_s
         need_s = round_trip * (1.0 if snap.rolled_out else params.leave_round_trips)
@@ -377,10 +412,16 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
         for i in range(n + 1, k):
             if snap.live_requests[i]:
                 continue
+            if snap.roles[i] == ROLLOUT:
+                staying = [j for j in range(n, k) if j != i and roles[j] == ROLLOUT]
+                if not _room_for(snap, i, staying, moved):
+                    continue
             if snap.roles[i] == TRAIN or work / (train_tp + snap.train_throughput[i]) > need_s:
                 roles[i] = TRAIN
                 train_tp += snap.train_throughput[i]
                 lent.append(i)
+                if snap.roles[i] == ROLLOUT and snap.kv_reserved_tokens:
+                    moved += snap.kv_reserved_tokens[i]
     reason = f"measured split {n} train / {k - n} rollout"
     if lent:
         reason += f"; idle cells {lent} lent to training ({work:.0f} tokens trainable)"

@@ -410,6 +410,7 @@ class Simulator:
             trainable_tokens=trainable,
             rolled_out=rolled_out,
             rollout_tokens_per_s=self._rollout_tps(),
+            **self.memory.kv_room(),
         )
 
     def _rollout_tps(self) -> float:

@@ -541,6 +541,11 @@ class Proxy:
         at their recent size, min(slots, budget / mean recent footprint) (Engine.capacity_contexts)."""
         return tuple(self.engines[i].capacity_contexts() for i in sorted(self.engines))
 
+    def kv_room(self) -> dict:
+        """Per cell index: KV tokens the resident ledger reserves on it and its unreserved room
+        (LoadSnapshot's ``kv_reserved_tokens`` / ``kv_free_tokens``); {} with admission 'none'."""
+        return {} if self.ledger is None else self.ledger.room(sorted(self.engines))
+
     def kv_stats(self) -> dict:
         """The KV pools in one flat dict (names ``kv_*``).
 
