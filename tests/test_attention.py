@@ -158,6 +158,115 @@ def test_bad_inputs_raise_clearly():
         attention.attend(q, k, v, leave[:, :-1])
 
 
+def naive_index_mask(q_idx, k_idx, k_leave):
+    """bool[B,Tq,Tk], the rule written out by loops: query i sees key j iff
+    k_idx[j] <= q_idx[i] < k_leave[j] (q_idx < 0: a padding query, sees nothing)."""
+    b, tq = q_idx.shape
+    mask = np.zeros((b, tq, k_idx.shape[1]), bool)
+    for r in range(b):
+        for i, qi in enumerate(q_idx[r]):
+            for j, (ki, kl) in enumerate(zip(k_idx[r], k_leave[r])):
+                mask[r, i, j] = 0 <= qi and ki <= qi < kl
+    return mask
+
+
+TQ, TK = 2 * BLOCK, 3 * BLOCK  # queries and keys held apart: lengths of their own
+
+
+@st.composite
+def held_apart(draw, t=T):
+    """(q_idx[TQ], k_idx[TK], k_leave[TK]) of one forest row of ``t`` tokens: its queries and
+    its keys as two random subsets, in token order (the tree schedule's shape: ascending
+    runs) or any order; then padding (queries -1, keys with leave 0: seen by none)."""
+    leave = draw(forests(t))
+    tokens = st.integers(0, t - 1)
+    keys = draw(st.lists(tokens, min_size=1, max_size=TK, unique=True))
+    queries = draw(st.lists(tokens, min_size=1, max_size=TQ, unique=True))
+    if draw(st.booleans()):
+        keys, queries = sorted(keys), sorted(queries)
+    pad_keys = draw(st.lists(tokens, min_size=TK - len(keys), max_size=TK - len(keys)))
+    k_idx = np.asarray(keys + pad_keys, np.int32)
+    k_leave = np.r_[leave[keys], np.zeros(len(pad_keys))].astype(np.int32)
+    return np.asarray(queries + [-1] * (TQ - len(queries)), np.int32), k_idx, k_leave
+
+
+@jax.jit
+def indexed_value_and_grads(q, k, v, q_idx, k_idx, k_leave, cotangent):
+    def loss(q, k, v):
+        out = attention.indexed_attention(q, k, v, q_idx, k_idx, k_leave, BLOCK)
+        return jnp.sum(out * cotangent), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+@jax.jit
+def masked_value_and_grads(q, k, v, mask_BxTqxTk, cotangent):
+    """The dense reference with an explicit mask (zeros where a query sees nothing)."""
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask_BxTqxTk[:, None],
+                                           implementation="xla")  # fmt: skip
+        out = out * mask_BxTqxTk.any(-1)[:, :, None, None]
+        return jnp.sum(out * cotangent), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+@settings(max_examples=15, deadline=None)
+@given(held_apart(), held_apart(), st.integers(0, 2**16))
+def test_indexed_attention_matches_a_dense_mask_on_keys_held_apart(row0, row1, seed):
+    """Queries and keys as separate sets (Tq != Tk, any order, padding on both): the output
+    and gradients of the dense mask built by loops; the block visibility covers every block
+    pair holding a visible (query, key) pair."""
+    q_idx, k_idx, k_leave = (np.stack(x) for x in zip(row0, row1))
+    mask = naive_index_mask(q_idx, k_idx, k_leave)
+    np.testing.assert_array_equal(attention.index_mask(q_idx, k_idx, k_leave), mask)
+    vis = np.asarray(attention.index_block_visibility(q_idx, k_idx, k_leave, BLOCK))
+    pairs = mask.reshape(2, TQ // BLOCK, BLOCK, TK // BLOCK, BLOCK).any(axis=(2, 4))
+    assert not (pairs & ~vis).any()
+
+    q, _, _, cotangent = random_qkv(seed, t=TQ)
+    _, k, v, _ = random_qkv(seed + 1, t=TK)
+    idx = (jnp.asarray(x) for x in (q_idx, k_idx, k_leave))
+    out, grads = indexed_value_and_grads(q, k, v, *idx, cotangent)
+    ref_out, ref_grads = masked_value_and_grads(q, k, v, jnp.asarray(mask), cotangent)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(g, ref, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_indexed_attention_with_a_row_own_indices_is_block_sparse_attention():
+    q, k, v, _ = random_qkv(13)
+    leave = jnp.asarray(np.stack([leave_from_parents([-1, 0, 1, 1, 3, 0], T)] * 2))
+    idx = jnp.broadcast_to(jnp.arange(T), (2, T))
+    own = attention.block_sparse_attention(q, k, v, leave, BLOCK)
+    np.testing.assert_array_equal(attention.indexed_attention(q, k, v, idx, idx, leave, BLOCK),
+                                  own)  # fmt: skip
+
+
+def test_indexed_attention_bad_inputs_raise_clearly():
+    q, _, _, _ = random_qkv(14, t=TQ)
+    _, k, v, _ = random_qkv(15, t=TK)
+    q_idx, k_idx = jnp.zeros((2, TQ), jnp.int32), jnp.zeros((2, TK), jnp.int32)
+    with pytest.raises(ValueError, match=r"q_idx has shape \(2, 48\), expected \(2, 32\)"):
+        attention.indexed_attention(q, k, v, k_idx, k_idx, k_idx, BLOCK)
+    with pytest.raises(ValueError, match=r"k_idx has shape \(2, 32\), expected \(2, 48\)"):
+        attention.indexed_attention(q, k, v, q_idx, q_idx, k_idx, BLOCK)
+    with pytest.raises(ValueError, match=r"k_leave has shape \(2, 47\)"):
+        attention.indexed_attention(q, k, v, q_idx, k_idx, k_idx[:, :-1], BLOCK)
+    with pytest.raises(ValueError, match="keys=40 is not a multiple of the attention block 16"):
+        attention.indexed_attention(q, k[:, :40], v[:, :40], q_idx, k_idx[:, :40],
+                                    k_idx[:, :40], BLOCK)  # fmt: skip
+    with pytest.raises(ValueError, match="queries=32 is not a multiple of the attention block 24"):
+        attention.indexed_attention(q, k, v, q_idx, k_idx, k_idx, 24)
+    with pytest.raises(ValueError, match="disagree"):  # keys of another batch
+        attention.indexed_attention(q, k[:1], v[:1], q_idx, k_idx[:1], k_idx[:1], BLOCK)
+    with pytest.raises(ValueError, match="a row attends to its own T keys"):
+        attention.attend(q, k, v, q_idx)
+
+
 def naive_cached(q, k_cache, v_cache, q_pos_index, kv_len):
     """Per-query numpy loop: softmax over cache entries j <= pos, j < kv_len (cache
     [B, M, KVH, Dh], the layout a reader would write down first)."""

@@ -4,13 +4,23 @@ Shapes: q[B,T,H,Dh], k/v[B,T,KVH,Dh] (GQA: H a multiple of KVH), leave[B,T] int3
 -> out[B,T,H,Dh]. Scale 1/sqrt(Dh); softmax is accumulated in fp32 for fp32 and bf16 inputs.
 A query that sees no key at all returns zeros (and gets zero gradient) on every path.
 
-The fast path (`block_sparse_attention`) is flash-attention style: an online softmax over key
-blocks that visits only the key blocks some query of the query block can see, so its work
-follows the tree, not the row. Block visibility is exact and cheap because every key's visible
-queries form the range [k, leave[k]): key block kb is seen by exactly the query blocks
-kb..last_qb[kb], with last_qb[kb] = (max leave in the block - 1) // block. Forward and the
-custom backward (FA2 order: key blocks outside, their query-block range inside) both loop with
-data-dependent trip counts, so skipped blocks cost nothing at run time.
+The rule with explicit indices (:func:`index_mask`): queries and keys each carry an index in
+one row's numbering, q_idx[B,Tq] and k_idx[B,Tk], and each key its subtree end k_leave[B,Tk];
+query i sees key j iff k_idx[j] <= q_idx[i] < k_leave[j] (q_idx < 0: a padding query that
+sees nothing). A row's own attention is q_idx = k_idx = arange(T), k_leave = leave;
+:func:`indexed_attention` takes queries and keys held apart (the tree schedule,
+gyre/train/tree_schedule.py: a branch's queries against [prefix keys; own keys]).
+
+The fast path (`block_sparse_attention`, `indexed_attention`: one kernel) is flash-attention
+style: an online softmax over key blocks that visits only the key blocks some query of the
+query block may see, so its work follows the tree, not the row. Block visibility is judged
+from bounds (:func:`index_block_visibility`): key block kb may be seen by query block qb iff
+the least index of its valid keys is <= qb's largest query index and its largest leave is >
+qb's least one; the exact mask is applied per pair. With a row's own indices (ascending,
+contiguous) the bounds are exact: key block kb is seen by exactly the query blocks kb .. the
+one holding (max leave in kb) - 1. Forward and the custom backward (FA2 order: key blocks
+outside, the query blocks that may see them inside) both loop with data-dependent trip
+counts, so skipped blocks cost nothing at run time.
 """
 
 from __future__ import annotations
@@ -25,12 +35,18 @@ import numpy as np
 IMPLS = ("block_sparse", "dense")
 
 
+def index_mask(q_idx, k_idx, k_leave):
+    """bool[..., Tq, Tk]: query i sees key j iff k_idx[j] <= q_idx[i] < k_leave[j] and
+    q_idx[i] >= 0 (q_idx[..., Tq]; k_idx, k_leave[..., Tk]; leading axes broadcast). The one
+    mask rule: the dense reference's and every block pair's of the kernel."""
+    qi = q_idx[..., :, None]
+    return (k_idx[..., None, :] <= qi) & (qi < k_leave[..., None, :]) & (qi >= 0)
+
+
 def tree_mask(leave):
     """bool[B,T,T]: mask[b, q, k] = k <= q < leave[b, k]."""
-    t = leave.shape[-1]
-    q = jnp.arange(t)[:, None]
-    k = jnp.arange(t)[None, :]
-    return (k <= q) & (q < leave[:, None, :])
+    idx = jnp.arange(leave.shape[-1])
+    return index_mask(idx, idx, leave)
 
 
 def dense_attention(q, k, v, leave):
@@ -45,25 +61,33 @@ def dense_attention(q, k, v, leave):
 # ----------------------------------------------------------------------------- block visibility
 
 
-def last_query_block(leave, block: int):
-    """int32[..., nB]: last query block that sees key block kb (kb - 1 when none does)."""
-    t = leave.shape[-1]
-    _check_block(t, block)
-    nb = t // block
-    keys_T = jnp.arange(t, dtype=jnp.int32)
-    # A key with leave <= k is seen by no query (not a valid tree token); it widens nothing.
-    last_q_T = jnp.where(leave > keys_T, jnp.minimum(leave, t) - 1, keys_T - 1)
-    last_q_NxB = last_q_T.reshape(*leave.shape[:-1], nb, block).max(-1)
-    return (last_q_NxB // block).astype(jnp.int32)
+def index_block_visibility(q_idx, k_idx, k_leave, block: int):
+    """bool[..., nQ, nK]: False only where no query of block qb can see a key of block kb.
+
+    q_idx[..., Tq], k_idx/k_leave[..., Tk] (leading axes broadcast), Tq and Tk multiples of
+    ``block``. From bounds: kb's valid keys (k_idx < k_leave: the others are seen by no
+    query) have least index k_lo and largest leave k_hi; qb's valid queries (q_idx >= 0)
+    span [q_lo, q_hi]; visible iff k_lo <= q_hi and k_hi > q_lo. Exact for ascending
+    contiguous indices (a row's own), conservative otherwise (pairs are masked exactly)."""
+    _check_block(q_idx.shape[-1], block, "queries")
+    _check_block(k_idx.shape[-1], block, "keys")
+    big = jnp.iinfo(jnp.int32).max
+
+    def per_block(x, reduce):
+        return reduce(x.reshape(*x.shape[:-1], -1, block), axis=-1)
+
+    valid = k_leave > k_idx
+    k_lo = per_block(jnp.where(valid, k_idx, big), jnp.min)
+    k_hi = per_block(jnp.where(valid, k_leave, -1), jnp.max)
+    q_lo = per_block(jnp.where(q_idx >= 0, q_idx, big), jnp.min)
+    q_hi = per_block(q_idx, jnp.max)  # all padding: < 0, below every valid key
+    return (k_lo[..., None, :] <= q_hi[..., :, None]) & (k_hi[..., None, :] > q_lo[..., :, None])
 
 
 def block_visibility(leave, block: int):
     """bool[..., nQ, nK]: vis[qb, kb] iff some query of block qb sees some key of block kb."""
-    last_qb = last_query_block(leave, block)
-    nb = last_qb.shape[-1]
-    qb = jnp.arange(nb)[:, None]
-    kb = jnp.arange(nb)[None, :]
-    return (kb <= qb) & (qb <= last_qb[..., None, :])
+    idx = jnp.arange(leave.shape[-1])
+    return index_block_visibility(idx, idx, leave, block)
 
 
 def visible_block_fraction(leave, block: int) -> float:
@@ -72,40 +96,39 @@ def visible_block_fraction(leave, block: int) -> float:
     return float(vis.mean())
 
 
-def _compact_key_blocks(leave_T, block: int):
-    """Per query block, its visible key blocks first (ascending), and how many there are."""
-    vis_QxK = block_visibility(leave_T, block)
-    nb = vis_QxK.shape[-1]
-    order = jnp.where(vis_QxK, jnp.arange(nb), nb + jnp.arange(nb))
-    kv_blocks_QxK = jnp.argsort(order, axis=-1).astype(jnp.int32)
-    return kv_blocks_QxK, vis_QxK.sum(-1).astype(jnp.int32)
+def _visible_first(vis_XxY):
+    """int32[X, Y]: per x, the y with vis[x, y] first (ascending), then the rest; and
+    int32[X]: how many are visible (a loop's trip count)."""
+    ny = vis_XxY.shape[-1]
+    order = jnp.where(vis_XxY, jnp.arange(ny), ny + jnp.arange(ny))
+    return jnp.argsort(order, axis=-1).astype(jnp.int32), vis_XxY.sum(-1).astype(jnp.int32)
 
 
-def _check_block(t: int, block: int):
-    if block <= 0 or t % block:
-        raise ValueError(f"sequence length T={t} is not a multiple of the attention block {block}")
+def _check_block(n: int, block: int, what: str = "sequence length T"):
+    if block <= 0 or n % block:
+        raise ValueError(f"{what}={n} is not a multiple of the attention block {block}")
 
 
 # ----------------------------------------------------------------------------- one row kernels
-# Inside the kernels a row is head-major: q[KVH,G,T,D], k/v[KVH,T,D]; softmax state is fp32.
+# Inside the kernels a row is head-major: q[KVH,G,Tq,D], k/v[KVH,Tk,D]; softmax state is fp32.
+# q_idx[Tq], k_idx[Tk], k_leave[Tk] int32: the row's indices (the module docstring's rule).
 
 
 def _scores(q_blk, k_blk, scale):
     return jnp.einsum("kgqd,ksd->kgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
 
 
-def _pair_mask(leave_T, q0, k0, block):
-    """bool[q, s] for query block starting at q0 and key block starting at k0."""
-    q_pos = q0 + jnp.arange(block)[:, None]
-    k_pos = k0 + jnp.arange(block)[None, :]
-    leave_s = jax.lax.dynamic_slice_in_dim(leave_T, k0, block)[None, :]
-    return (k_pos <= q_pos) & (q_pos < leave_s)
+def _pair_mask(q_idx, k_idx, k_leave, q0, k0, block):
+    """bool[q, s] for the query block starting at q0 and the key block starting at k0."""
+    sl = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block)
+    return index_mask(sl(q_idx, q0), sl(k_idx, k0), sl(k_leave, k0))
 
 
-def _row_forward(q, k, v, leave_T, block, scale):
-    """One row: out[KVH,G,T,D] (fp32) and lse[KVH,G,T] (-inf where a query sees nothing)."""
+def _row_forward(q, k, v, q_idx, k_idx, k_leave, block, scale):
+    """One row: out[KVH,G,Tq,D] (fp32) and lse[KVH,G,Tq] (-inf where a query sees nothing)."""
     kvh, g, t, d = q.shape
-    kv_blocks_QxK, kv_count_Q = _compact_key_blocks(leave_T, block)
+    vis_QxK = index_block_visibility(q_idx, k_idx, k_leave, block)
+    kv_blocks_QxK, kv_count_Q = _visible_first(vis_QxK)
     slice_t = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-2)
 
     def query_block(qb, carry):
@@ -114,22 +137,15 @@ def _row_forward(q, k, v, leave_T, block, scale):
         q_blk = slice_t(q, q0)
 
         def key_block(i, state):
-            m, denom, acc = state
             k0 = kv_blocks_QxK[qb, i] * block
             s = _scores(q_blk, slice_t(k, k0), scale)
-            vis = _pair_mask(leave_T, q0, k0, block)
-            s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no inf - inf for empty rows
-            p = jnp.exp(s - m_safe[..., None])
-            corr = jnp.exp(m - m_safe)
-            pv = jnp.einsum(
-                "kgqs,ksd->kgqd",
-                p.astype(v.dtype),
-                slice_t(v, k0),
-                preferred_element_type=jnp.float32,
-            )
-            return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
+            s = jnp.where(_pair_mask(q_idx, k_idx, k_leave, q0, k0, block), s, -jnp.inf)
+
+            def mix(p):
+                return jnp.einsum("kgqs,ksd->kgqd", p.astype(v.dtype), slice_t(v, k0),
+                                  preferred_element_type=jnp.float32)  # fmt: skip
+
+            return _fold_block(state, s, mix, empty_rows=True)
 
         init = (
             jnp.full((kvh, g, block), -jnp.inf, jnp.float32),
@@ -149,12 +165,15 @@ def _row_forward(q, k, v, leave_T, block, scale):
     return jax.lax.fori_loop(0, t // block, query_block, init)
 
 
-def _row_backward(q, k, v, leave_T, out, lse, dout, block, scale):
-    """One row, FA2 order: dq, dk, dv (fp32) visiting only visible (query, key) block pairs."""
-    last_qb_K = last_query_block(leave_T, block)
+def _row_backward(q, k, v, q_idx, k_idx, k_leave, out, lse, dout, block, scale):
+    """One row, FA2 order: dq, dk, dv (fp32) visiting only visible (query, key) block pairs:
+    key blocks outside (dk, dv of a block accumulate in registers), the query blocks that may
+    see them inside, ascending (dq accumulates in place)."""
+    vis_QxK = index_block_visibility(q_idx, k_idx, k_leave, block)
+    q_blocks_KxQ, q_count_K = _visible_first(vis_QxK.T)
     slice_t = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-2)
     slice_r = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-1)
-    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)  # [KVH,G,T]
+    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)  # [KVH,G,Tq]
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
     def key_block(kb, carry):
@@ -162,11 +181,11 @@ def _row_backward(q, k, v, leave_T, out, lse, dout, block, scale):
         k0 = kb * block
         k_blk, v_blk = slice_t(k, k0), slice_t(v, k0)
 
-        def query_block(qb, state):
+        def query_block(i, state):
             dq, dk_blk, dv_blk = state
-            q0 = qb * block
+            q0 = q_blocks_KxQ[kb, i] * block
             q_blk, do_blk = slice_t(q, q0), slice_t(dout, q0)
-            vis = _pair_mask(leave_T, q0, k0, block)
+            vis = _pair_mask(q_idx, k_idx, k_leave, q0, k0, block)
             s = _scores(q_blk, k_blk, scale)
             p = jnp.where(vis, jnp.exp(s - slice_r(lse_safe, q0)[..., None]), 0.0)
             dv_blk += jnp.einsum(
@@ -183,9 +202,7 @@ def _row_backward(q, k, v, leave_T, out, lse, dout, block, scale):
             return jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, q0, axis=-2), dk_blk, dv_blk
 
         zeros = jnp.zeros(k_blk.shape, jnp.float32)
-        dq, dk_blk, dv_blk = jax.lax.fori_loop(
-            kb, last_qb_K[kb] + 1, query_block, (dq, zeros, zeros)
-        )
+        dq, dk_blk, dv_blk = jax.lax.fori_loop(0, q_count_K[kb], query_block, (dq, zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k0, axis=-2)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k0, axis=-2)
         return dq, dk, dv
@@ -202,7 +219,7 @@ def _row_backward(q, k, v, leave_T, out, lse, dout, block, scale):
 
 
 def _to_rows(q, k, v):
-    """[B,T,H,D] -> [B,KVH,G,T,D] and [B,T,KVH,D] -> [B,KVH,T,D]."""
+    """[B,Tq,H,D] -> [B,KVH,G,Tq,D] and [B,Tk,KVH,D] -> [B,KVH,Tk,D]."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     q_rows = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
@@ -214,59 +231,92 @@ def _from_q_rows(x):
     return x.transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * g, d)
 
 
-def _forward_rows(q, k, v, leave, block):
+def _forward_rows(q, k, v, q_idx, k_idx, k_leave, block):
     scale = 1.0 / math.sqrt(q.shape[-1])
     q_r, k_r, v_r = _to_rows(q, k, v)
     # lax.map, not vmap: each row keeps its own data-dependent trip counts.
-    out_r, lse_r = jax.lax.map(lambda xs: _row_forward(*xs, block, scale), (q_r, k_r, v_r, leave))
-    return out_r, lse_r
+    return jax.lax.map(lambda xs: _row_forward(*xs, block, scale),
+                       (q_r, k_r, v_r, q_idx, k_idx, k_leave))  # fmt: skip
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _block_sparse(q, k, v, leave, block):
-    out_r, _ = _forward_rows(q, k, v, leave, block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _block_sparse(q, k, v, q_idx, k_idx, k_leave, block):
+    out_r, _ = _forward_rows(q, k, v, q_idx, k_idx, k_leave, block)
     return _from_q_rows(out_r).astype(q.dtype)
 
 
-def _block_sparse_fwd(q, k, v, leave, block):
-    out_r, lse_r = _forward_rows(q, k, v, leave, block)
-    return _from_q_rows(out_r).astype(q.dtype), (q, k, v, leave, out_r, lse_r)
+def _block_sparse_fwd(q, k, v, q_idx, k_idx, k_leave, block):
+    out_r, lse_r = _forward_rows(q, k, v, q_idx, k_idx, k_leave, block)
+    return _from_q_rows(out_r).astype(q.dtype), (q, k, v, q_idx, k_idx, k_leave, out_r, lse_r)
 
 
 def _block_sparse_bwd(block, residuals, dout):
-    q, k, v, leave, out_r, lse_r = residuals
+    q, k, v, q_idx, k_idx, k_leave, out_r, lse_r = residuals
     scale = 1.0 / math.sqrt(q.shape[-1])
     q_r, k_r, v_r = _to_rows(q, k, v)
     dout_r = _to_rows(dout, k, v)[0]
     dq_r, dk_r, dv_r = jax.lax.map(
-        lambda xs: _row_backward(*xs, block, scale), (q_r, k_r, v_r, leave, out_r, lse_r, dout_r)
+        lambda xs: _row_backward(*xs, block, scale),
+        (q_r, k_r, v_r, q_idx, k_idx, k_leave, out_r, lse_r, dout_r),
     )
     dq = _from_q_rows(dq_r).astype(q.dtype)
     dk = dk_r.transpose(0, 2, 1, 3).astype(k.dtype)
     dv = dv_r.transpose(0, 2, 1, 3).astype(v.dtype)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None, None
 
 
 _block_sparse.defvjp(_block_sparse_fwd, _block_sparse_bwd)
 
 
-def _check_qkv(q, k, v, leave):
+def _check_heads(q, k, v):
+    """q[B,Tq,H,Dh] against k/v[B,Tk,KVH,Dh]: a ValueError naming the mismatch."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(
             f"expected q[B,T,H,Dh], k/v[B,T,KVH,Dh]; got {q.shape}, {k.shape}, {v.shape}"
         )
-    b, t, h, d = q.shape
-    if k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2]:
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {q.shape} and k/v {k.shape} disagree (H must be a multiple of KVH)")
-    if leave.shape != (b, t):
-        raise ValueError(f"leave has shape {leave.shape}, expected {(b, t)}")
+
+
+def _check_qkv(q, k, v, leave):
+    _check_heads(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"q {q.shape} and k/v {k.shape} disagree: a row attends to its own "
+                         "T keys (indexed_attention takes other keys)")  # fmt: skip
+    if leave.shape != q.shape[:2]:
+        raise ValueError(f"leave has shape {leave.shape}, expected {q.shape[:2]}")
 
 
 def block_sparse_attention(q, k, v, leave, block: int = 128):
     """Tree attention visiting only visible key blocks. q[B,T,H,Dh] -> out[B,T,H,Dh]."""
     _check_qkv(q, k, v, leave)
     _check_block(q.shape[1], block)
-    return _block_sparse(q, k, v, leave.astype(jnp.int32), block)
+    idx_BxT = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), leave.shape)
+    return _block_sparse(q, k, v, idx_BxT, idx_BxT, leave.astype(jnp.int32), block)
+
+
+def indexed_attention(q, k, v, q_idx, k_idx, k_leave, block: int = 128):
+    """Tree attention of queries against keys held apart, both indexed in one row's numbering.
+
+    q[B,Tq,H,Dh]; k/v[B,Tk,KVH,Dh] (GQA: H a multiple of KVH); q_idx[B,Tq], k_idx[B,Tk],
+    k_leave[B,Tk] int. Query i sees key j iff ``k_idx[j] <= q_idx[i] < k_leave[j]``
+    (:func:`index_mask`); a query with q_idx < 0, or that sees no key, returns zeros (zero
+    gradient); a key with k_leave <= k_idx is seen by none. Keys may come in any order (a
+    block's visibility is judged from its bounds: ascending runs skip the most). Tq and Tk
+    multiples of ``block``. The block-sparse kernel of :func:`block_sparse_attention` (which
+    is this with q_idx = k_idx = arange(T)). -> out[B,Tq,H,Dh]."""
+    _check_heads(q, k, v)
+    (b, tq), tk = q.shape[:2], k.shape[1]
+    for name, x, want in (("q_idx", q_idx, (b, tq)), ("k_idx", k_idx, (b, tk)),
+                          ("k_leave", k_leave, (b, tk))):  # fmt: skip
+        if x.shape != want:
+            raise ValueError(f"{name} has shape {x.shape}, expected {want} (q {q.shape}, "
+                             f"k/v {k.shape})")  # fmt: skip
+    _check_block(tq, block, "queries")
+    _check_block(tk, block, "keys")
+    i32 = jnp.int32
+    return _block_sparse(q, k, v, q_idx.astype(i32), k_idx.astype(i32), k_leave.astype(i32),
+                         block)  # fmt: skip
 
 
 def attend(q, k, v, leave, impl: str = "block_sparse", block: int = 128):
@@ -370,15 +420,20 @@ def _live_block(i, blk: int, m: int):
     return lo, start, start + jnp.arange(blk)
 
 
-def _fold_block(state, s, mix):
+def _fold_block(state, s, mix, empty_rows: bool = False):
     """One online-softmax step: state (running max, denominator, unnormalised output) and a
     block's masked scores ``s[..., N]`` (-inf where not visible) -> the new state; ``mix(p)``:
     p's product with the block's values. Against a finite running max, a block with no
-    visible entry leaves the state bit for bit: exp(0) = 1 and exact zeros."""
+    visible entry leaves the state bit for bit: exp(0) = 1 and exact zeros.
+
+    ``empty_rows``: a row may have seen nothing yet (running max -inf after the block: tree
+    rows' padding queries); its max is taken as 0 there, not -inf (no -inf - -inf = NaN), so
+    it stays at zeros. The cache folds leave it off: their rows always see an entry."""
     m_run, l_run, acc = state
     m_new = jnp.maximum(m_run, s.max(-1))
-    c = jnp.exp(m_run - m_new)
-    p = jnp.exp(s - m_new[..., None])
+    m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if empty_rows else m_new
+    c = jnp.exp(m_run - m_ref)
+    p = jnp.exp(s - m_ref[..., None])
     return m_new, l_run * c + p.sum(-1), acc * c[..., None] + mix(p)
 
 

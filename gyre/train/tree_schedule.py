@@ -29,24 +29,24 @@ Memory beyond the path's: the branch gradient and its float32 accumulator (two f
 copies of the parameters' gradient) and the prefix's K/V with their float32 cotangent
 (benchmarks/tree_schedule.py measures it; BENCH_35.md).
 
-Branch attention (:func:`context_attention`) is flash-style with its own custom VJP: the
-branch's queries against [prefix keys; own keys] with query q seeing key k iff
-``idx[k] <= idx[q] < leave[k]`` in the row's own indices, visiting only the key blocks some
-query of a query block can see. The KL term (``train.kl_coef`` > 0) is not supported here.
+Branch attention (:func:`context_attention`) is the tree mask's own block-sparse kernel
+(``attention.indexed_attention``) with the keys held apart: the branch's queries against
+[prefix keys; own keys], query q seeing key k iff ``idx[k] <= idx[q] < leave[k]`` in the
+row's own indices, visiting only the key blocks some query of a query block can see. The KL
+term (``train.kl_coef`` > 0) is not supported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gyre.model import decoder
+from gyre.model import attention, decoder
 from gyre.train import loss as tloss
 from gyre.trajectory import schema
 
@@ -215,160 +215,15 @@ def schedule_row(row: dict, sched: Schedule, n_branches: int | None = None) -> d
 # ----------------------------------------------------------------------------- context attention
 
 
-def _key_blocks(q_idx, k_idx, k_leave, block):
-    """Per query block, the key blocks some query of it may see first (ascending), and how
-    many: conservative from each key block's least index and largest leave and each query
-    block's index range (the exact mask is applied per pair)."""
-    valid = k_leave > k_idx
-    big = jnp.iinfo(jnp.int32).max
-    k_lo = jnp.where(valid, k_idx, big).reshape(-1, block).min(-1)
-    k_hi = jnp.where(valid, k_leave, -1).reshape(-1, block).max(-1)
-    q_lo = jnp.where(q_idx >= 0, q_idx, big).reshape(-1, block).min(-1)
-    q_hi = q_idx.reshape(-1, block).max(-1)
-    vis = (k_lo[None, :] <= q_hi[:, None]) & (k_hi[None, :] > q_lo[:, None])
-    nk = vis.shape[-1]
-    order = jnp.where(vis, jnp.arange(nk), nk + jnp.arange(nk))
-    return jnp.argsort(order, axis=-1).astype(jnp.int32), vis.sum(-1).astype(jnp.int32)
-
-
-def _mask(q_idx, k_idx, k_leave, q0, k0, block):
-    qi = jax.lax.dynamic_slice_in_dim(q_idx, q0, block)[:, None]
-    ki = jax.lax.dynamic_slice_in_dim(k_idx, k0, block)[None, :]
-    kl = jax.lax.dynamic_slice_in_dim(k_leave, k0, block)[None, :]
-    return (ki <= qi) & (qi < kl) & (qi >= 0)
-
-
-def _ctx_forward(q, k, v, q_idx, k_idx, k_leave, block, scale):
-    """q[KVH,G,Tq,D], k/v[KVH,Tk,D] -> out[KVH,G,Tq,D] fp32, lse[KVH,G,Tq] (-inf: sees none)."""
-    kvh, g, tq, d = q.shape
-    blocks, count = _key_blocks(q_idx, k_idx, k_leave, block)
-    sl = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-2)
-
-    def query_block(qb, carry):
-        out, lse = carry
-        q0 = qb * block
-        q_blk = sl(q, q0)
-
-        def key_block(i, state):
-            m, den, acc = state
-            k0 = blocks[qb, i] * block
-            s = jnp.einsum("kgqd,ksd->kgqs", q_blk, sl(k, k0),
-                           preferred_element_type=jnp.float32) * scale  # fmt: skip
-            s = jnp.where(_mask(q_idx, k_idx, k_leave, q0, k0, block), s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - m_safe[..., None])
-            c = jnp.exp(m - m_safe)
-            pv = jnp.einsum("kgqs,ksd->kgqd", p.astype(v.dtype), sl(v, k0),
-                            preferred_element_type=jnp.float32)  # fmt: skip
-            return m_new, den * c + p.sum(-1), acc * c[..., None] + pv
-
-        init = (jnp.full((kvh, g, block), -jnp.inf), jnp.zeros((kvh, g, block)),
-                jnp.zeros((kvh, g, block, d)))  # fmt: skip
-        m, den, acc = jax.lax.fori_loop(0, count[qb], key_block, init)
-        seen = den > 0
-        den = jnp.where(seen, den, 1.0)
-        out = jax.lax.dynamic_update_slice_in_dim(out, acc / den[..., None], q0, axis=-2)
-        lse_b = jnp.where(seen, m + jnp.log(den), -jnp.inf)
-        return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_b, q0, axis=-1)
-
-    init = (jnp.zeros((kvh, g, tq, d), jnp.float32), jnp.full((kvh, g, tq), -jnp.inf))
-    return jax.lax.fori_loop(0, tq // block, query_block, init)
-
-
-def _ctx_backward(q, k, v, q_idx, k_idx, k_leave, out, lse, dout, block, scale):
-    """Query blocks outside, their visible key blocks inside; dk/dv accumulate in place."""
-    blocks, count = _key_blocks(q_idx, k_idx, k_leave, block)
-    sl = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-2)
-    slr = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=block, axis=-1)
-    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-
-    def query_block(qb, carry):
-        dq, dk, dv = carry
-        q0 = qb * block
-        q_blk, do_blk = sl(q, q0), sl(dout, q0)
-        lse_b, delta_b = slr(lse_safe, q0)[..., None], slr(delta, q0)[..., None]
-
-        def key_block(i, state):
-            dq_blk, dk, dv = state
-            k0 = blocks[qb, i] * block
-            k_blk, v_blk = sl(k, k0), sl(v, k0)
-            s = jnp.einsum("kgqd,ksd->kgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
-            vis = _mask(q_idx, k_idx, k_leave, q0, k0, block)
-            p = jnp.where(vis, jnp.exp(s * scale - lse_b), 0.0)
-            dv_b = jnp.einsum("kgqs,kgqd->ksd", p.astype(v.dtype), do_blk,
-                              preferred_element_type=jnp.float32)  # fmt: skip
-            dp = jnp.einsum("kgqd,ksd->kgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-            ds = (p * (dp - delta_b)).astype(q.dtype)
-            dk_b = scale * jnp.einsum("kgqs,kgqd->ksd", ds, q_blk,
-                                      preferred_element_type=jnp.float32)  # fmt: skip
-            dq_blk = dq_blk + scale * jnp.einsum("kgqs,ksd->kgqd", ds, k_blk,
-                                                 preferred_element_type=jnp.float32)  # fmt: skip
-            dk = jax.lax.dynamic_update_slice_in_dim(dk, sl(dk, k0) + dk_b, k0, axis=-2)
-            dv = jax.lax.dynamic_update_slice_in_dim(dv, sl(dv, k0) + dv_b, k0, axis=-2)
-            return dq_blk, dk, dv
-
-        zeros = jnp.zeros(q_blk.shape, jnp.float32)
-        dq_blk, dk, dv = jax.lax.fori_loop(0, count[qb], key_block, (zeros, dk, dv))
-        return jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, q0, axis=-2), dk, dv
-
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-            jnp.zeros(v.shape, jnp.float32))  # fmt: skip
-    return jax.lax.fori_loop(0, q.shape[-2] // block, query_block, init)
-
-
-def _heads(q, k, v):
-    """[Tq,H,D] -> [KVH,G,Tq,D]; [Tk,KVH,D] -> [KVH,Tk,D]."""
-    tq, h, d = q.shape
-    kvh = k.shape[1]
-    return (q.reshape(tq, kvh, h // kvh, d).transpose(1, 2, 0, 3), k.transpose(1, 0, 2),
-            v.transpose(1, 0, 2))  # fmt: skip
-
-
-def _unheads(x):
-    kvh, g, t, d = x.shape
-    return x.transpose(2, 0, 1, 3).reshape(t, kvh * g, d)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _context_attention(q, k, v, q_idx, k_idx, k_leave, block):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out, _ = _ctx_forward(*_heads(q, k, v), q_idx, k_idx, k_leave, block, scale)
-    return _unheads(out).astype(q.dtype)
-
-
-def _context_attention_fwd(q, k, v, q_idx, k_idx, k_leave, block):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _ctx_forward(*_heads(q, k, v), q_idx, k_idx, k_leave, block, scale)
-    return _unheads(out).astype(q.dtype), (q, k, v, q_idx, k_idx, k_leave, out, lse)
-
-
-def _context_attention_bwd(block, res, dout):
-    q, k, v, q_idx, k_idx, k_leave, out, lse = res
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    qh, kh, vh = _heads(q, k, v)
-    do = _heads(dout, k, v)[0]
-    dq, dk, dv = _ctx_backward(qh, kh, vh, q_idx, k_idx, k_leave, out, lse, do, block, scale)
-    return (_unheads(dq).astype(q.dtype), dk.transpose(1, 0, 2).astype(k.dtype),
-            dv.transpose(1, 0, 2).astype(v.dtype), None, None, None)  # fmt: skip
-
-
-_context_attention.defvjp(_context_attention_fwd, _context_attention_bwd)
-
-
 def context_attention(q, k, v, q_idx, k_idx, k_leave, block: int = 128):
-    """Tree attention of queries against keys indexed in one row's numbering.
+    """Tree attention of one row's queries against keys indexed in its numbering (a branch's
+    queries against [prefix keys; own keys]): :func:`attention.indexed_attention` on one row.
 
-    q[Tq,H,Dh]; k/v[Tk,KVH,Dh] (GQA); q_idx[Tq], k_idx[Tk], k_leave[Tk] int32. Query i sees
+    q[Tq,H,Dh]; k/v[Tk,KVH,Dh] (GQA); q_idx[Tq], k_idx[Tk], k_leave[Tk] int. Query i sees
     key j iff ``k_idx[j] <= q_idx[i] < k_leave[j]``; a query with q_idx < 0 or that sees no
     key returns zeros. Tq and Tk multiples of ``block``. -> out[Tq,H,Dh]."""
-    for name, n in (("queries", q.shape[0]), ("keys", k.shape[0])):
-        if n % block:
-            raise ValueError(f"{name}: {n} is not a multiple of the attention block {block}")
-    i32 = jnp.int32
-    return _context_attention(q, k, v, q_idx.astype(i32), k_idx.astype(i32),
-                              k_leave.astype(i32), block)  # fmt: skip
+    rows = (x[None] for x in (q, k, v, q_idx, k_idx, k_leave))
+    return attention.indexed_attention(*rows, block)[0]
 
 
 # ----------------------------------------------------------------------------- model pieces
@@ -382,7 +237,7 @@ def prefix_forward(model, tokens_P, pos_P, leave_P, remat="none"):
 
     def block(x, p):
         q, k, v = decoder._qkv(p, x, pos_P[None], spec, dtype)
-        out = decoder.attention.attend(q, k, v, leave_P[None], impl=spec.attention,
+        out = attention.attend(q, k, v, leave_P[None], impl=spec.attention,
                                        block=spec.attn_block)  # fmt: skip
         return decoder._finish_block(p, x, out, spec, dtype), (k[0], v[0])
 
