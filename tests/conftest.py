@@ -29,7 +29,28 @@ settings.register_profile("thorough", max_examples=100 * THOROUGH_FACTOR, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
 def pytest_collection_modifyitems(config, items):
+    _xdist_groups(config, items)
+    _thorough(items)
+
+
+def _xdist_groups(config, items):
+    """``--dist loadgroup`` sends the tests marked ``xdist_group(name)`` to one worker by the
+    ``@name`` that pytest-xdist appends to their node ids. pytest-xdist 3.8 appends it by
+    assigning ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``): the
+    marks did nothing, and a module's fixture was built on both workers. Appended here where
+    that happened (a worker of a loadgroup run, an id without its ``@``)."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})  # fmt: skip
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def _thorough(items):
     """Under the thorough profile, multiplies each test's own ``max_examples`` (most tests set
     one, which a profile alone does not override)."""
     if settings.get_current_profile_name() != "thorough":
