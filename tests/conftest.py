@@ -29,8 +29,17 @@ settings.register_profile("thorough", max_examples=100 * THOROUGH_FACTOR, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"))
 
 
+# Modules of single tests that take minutes, longest first: collected first, so that
+# pytest-xdist starts them first (after the xdist_group units, which it sends before single
+# tests) instead of leaving one worker with a long test at the end and the other idle.
+RUN_FIRST = ("test_quickstart.py", "test_chat_quickstart.py", "test_gpu_check.py",
+             "test_faults.py")  # fmt: skip
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: else as found
     _xdist_groups(config, items)
     _thorough(items)
 
