@@ -4,8 +4,23 @@ the first one runs (never at import); where it is unavailable the test is skippe
 reason, and in CI (``CI=true``) it fails instead: a green CI run has run every one of them."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# One persistent XLA cache for the session, in a fresh folder (JAX reads these variables when
+# it is imported): the xdist workers and every process a test starts (launch.py, benchmarks,
+# python -m gyre.plan, notebook kernels, Ray actors) inherit it, so a program is compiled once
+# per session rather than once per worker and process. A process keeps the folder its first
+# compile used: in a worker that is this one; a subprocess given --config.mesh.cache_dir uses
+# that. JAX_COMPILATION_CACHE_DIR set beforehand is used instead (and kept).
+_XLA_CACHE_MADE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _XLA_CACHE_MADE = tempfile.mkdtemp(prefix="gyre-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE_MADE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -80,6 +95,13 @@ def _thorough(items):
             cls.settings = settings(own, max_examples=own.max_examples * THOROUGH_FACTOR)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_xla_cache():
+    """One tiny compile before any test's, so that the persistent cache this process fixes at
+    its first compile is the session's (not the folder of whichever run.main came first)."""
+    jax.jit(lambda x: x + 1)(0.0).block_until_ready()
+
+
 def _sandbox_why_not() -> str | None:
     from gyre.envs.sandbox import INSTALL_HINT, isolation_available
 
@@ -108,3 +130,8 @@ def pytest_runtest_makereport(item, call):
             f"sandbox test skipped in CI (CI=true), which counts as a failure: {reason}"
         )
     return report
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE_MADE is not None:  # the process that made it (xdist's controller, or -n 0)
+        shutil.rmtree(_XLA_CACHE_MADE, ignore_errors=True)
