@@ -102,6 +102,13 @@ def _session_xla_cache():
     jax.jit(lambda x: x + 1)(0.0).block_until_ready()
 
 
+@pytest.fixture(scope="session")
+def xla_cache() -> str:
+    """The session's persistent XLA cache: the ``--config.mesh.cache_dir`` of the runs a test
+    starts as subprocesses, so that they load what other tests compiled already."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
 def _sandbox_why_not() -> str | None:
     from gyre.envs.sandbox import INSTALL_HINT, isolation_available
 
