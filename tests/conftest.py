@@ -4,8 +4,23 @@ the first one runs (never at import); where it is unavailable the test is skippe
 reason, and in CI (``CI=true``) it fails instead: a green CI run has run every one of them."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# One persistent XLA cache for the session, in a fresh folder (JAX reads these variables when
+# it is imported): the xdist workers and every process a test starts (launch.py, benchmarks,
+# python -m gyre.plan, notebook kernels, Ray actors) inherit it, so a program is compiled once
+# per session rather than once per worker and process. A process keeps the folder its first
+# compile used: in a worker that is this one; a subprocess given --config.mesh.cache_dir uses
+# that. JAX_COMPILATION_CACHE_DIR set beforehand is used instead (and kept).
+_XLA_CACHE_MADE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _XLA_CACHE_MADE = tempfile.mkdtemp(prefix="gyre-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE_MADE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -29,7 +44,37 @@ settings.register_profile("thorough", max_examples=100 * THOROUGH_FACTOR, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"))
 
 
+# Modules of single tests that take minutes, longest first: collected first, so that
+# pytest-xdist starts them first (after the xdist_group units, which it sends before single
+# tests) instead of leaving one worker with a long test at the end and the other idle.
+RUN_FIRST = ("test_quickstart.py", "test_chat_quickstart.py", "test_gpu_check.py",
+             "test_faults.py")  # fmt: skip
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: else as found
+    _xdist_groups(config, items)
+    _thorough(items)
+
+
+def _xdist_groups(config, items):
+    """``--dist loadgroup`` sends the tests marked ``xdist_group(name)`` to one worker by the
+    ``@name`` that pytest-xdist appends to their node ids. pytest-xdist 3.8 appends it by
+    assigning ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``): the
+    marks did nothing, and a module's fixture was built on both workers. Appended here where
+    that happened (a worker of a loadgroup run, an id without its ``@``)."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})  # fmt: skip
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def _thorough(items):
     """Under the thorough profile, multiplies each test's own ``max_examples`` (most tests set
     one, which a profile alone does not override)."""
     if settings.get_current_profile_name() != "thorough":
@@ -48,6 +93,20 @@ def pytest_collection_modifyitems(config, items):
         own = getattr(cls, "settings", None)
         if isinstance(own, settings):
             cls.settings = settings(own, max_examples=own.max_examples * THOROUGH_FACTOR)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_xla_cache():
+    """One tiny compile before any test's, so that the persistent cache this process fixes at
+    its first compile is the session's (not the folder of whichever run.main came first)."""
+    jax.jit(lambda x: x + 1)(0.0).block_until_ready()
+
+
+@pytest.fixture(scope="session")
+def xla_cache() -> str:
+    """The session's persistent XLA cache: the ``--config.mesh.cache_dir`` of the runs a test
+    starts as subprocesses, so that they load what other tests compiled already."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def _sandbox_why_not() -> str | None:
@@ -78,3 +137,8 @@ def pytest_runtest_makereport(item, call):
             f"sandbox test skipped in CI (CI=true), which counts as a failure: {reason}"
         )
     return report
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE_MADE is not None:  # the process that made it (xdist's controller, or -n 0)
+        shutil.rmtree(_XLA_CACHE_MADE, ignore_errors=True)

@@ -46,8 +46,8 @@ def test_eval_table_has_the_run_tables_held_out_lines():
 
 
 @pytest.mark.slow
-def test_eval_mode_reproduces_a_finished_runs_final_table(tmp_path):
-    work, cache = tmp_path / "run", tmp_path / "xla"
+def test_eval_mode_reproduces_a_finished_runs_final_table(tmp_path, xla_cache):
+    work, cache = tmp_path / "run", xla_cache
     ran = _launch(work, cache)
     table = _held_out(ran.stdout)
     assert len(table) == 3 and "->" in table[0], ran.stdout[-2000:]

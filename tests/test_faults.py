@@ -17,9 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
+def shared(tmp_path_factory, xla_cache):
+    """The session's XLA cache (tests/conftest.py), which the other tests' tiny runs share,
+    and a warm-start cache for this module."""
     base = tmp_path_factory.mktemp("faults")
-    return {"cache": str(base / "xla"), "warm": str(base / "warm")}
+    return {"cache": xla_cache, "warm": str(base / "warm")}
 
 
 def _launch(workdir, shared, *extra, hooks=()):

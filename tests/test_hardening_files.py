@@ -204,7 +204,7 @@ def test_a_truncated_weights_file_is_refused_when_read_naming_the_tensor(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_that_fell_back_from_a_damaged_checkpoint_then_holds_every_step(tmp_path):
+def test_a_run_that_fell_back_from_a_damaged_checkpoint_then_holds_every_step(tmp_path, xla_cache):
     import subprocess
     import sys
 
@@ -214,7 +214,7 @@ def test_a_run_that_fell_back_from_a_damaged_checkpoint_then_holds_every_step(tm
             f"--workdir={workdir}", "--config.run.steps=2", "--config.mesh.cell_size=4",
             "--config.sft.steps=0", "--config.eval.tasks=0", "--config.run.tasks_per_step=2",
             "--config.train.checkpoint_every=1",
-            f"--config.mesh.cache_dir={tmp_path / 'xla'}"]  # fmt: skip
+            f"--config.mesh.cache_dir={xla_cache}"]  # fmt: skip
     launch = lambda: subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=600)
     first = launch()
     assert first.returncode == 0, first.stderr[-2000:]

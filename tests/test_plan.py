@@ -57,9 +57,12 @@ def test_a_plan_that_does_not_fit_is_one_line_naming_the_largest_term(tiny_plan)
 
 @pytest.mark.slow
 def test_cli_prints_the_table_and_a_json_line():
+    # in the environment scripts/gpu_check.sh --dry-run gives the same command (CPU, no
+    # XLA_FLAGS, which JAX's cache keys include): the session's XLA cache compiles it once
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-m", "gyre.plan", "--config=experiments/qwen3_code.py:tiny",
                           "--device_memory=80GB"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+                         timeout=600, env={**env, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert "memory plan per device" in lines[0] and lines[-2] == "memory plan: fits"
