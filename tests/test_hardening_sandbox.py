@@ -87,7 +87,14 @@ def test_a_sandbox_dir_that_is_not_empty_or_is_a_link_is_refused(tmp_path):
 
 
 @sandboxed
-def test_a_run_cannot_fill_the_host_disk():
+def test_a_run_cannot_fill_the_host_disk(monkeypatch):
+    made, mkdtemp = [], tempfile.mkdtemp  # the folders this process makes, the run's among them
+
+    def recorded(*args, **kwargs):
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
     before = set(os.listdir(tempfile.gettempdir()))
     res = run("""
         def probe():
@@ -104,7 +111,13 @@ def test_a_run_cannot_fill_the_host_disk():
     assert res.status == "ok", res
     written, error = res.outputs[0]
     assert written <= 16 and error == "OSError", res.outputs  # the 16 MiB scratch is full
-    assert set(os.listdir(tempfile.gettempdir())) - before <= {f"gyre-sandbox-uids-{os.geteuid()}"}
+    assert made and not any(os.path.exists(d) for d in made)  # the run's scratch is gone
+    # Nothing else left in the host's temp folder: a sandbox another xdist worker runs now
+    # makes gyre-sbx-* folders of its own meanwhile (its test checks that it removes them).
+    left = {
+        n for n in set(os.listdir(tempfile.gettempdir())) - before if not n.startswith("gyre-sbx-")
+    }
+    assert left <= {f"gyre-sandbox-uids-{os.geteuid()}"}
 
 
 @sandboxed
