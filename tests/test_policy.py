@@ -290,9 +290,9 @@ def test_a_cell_is_lent_only_if_the_cells_that_stay_hold_its_kv_reservations():
     # first rollout cell). Room for both in cell 1: both lent.
     roomy = dict(reserved=[0, 400, 500, 500], free=[0, 1000, 100, 100])
     assert elastic(snap([R] * 4, **base, **roomy), p).roles == (T, R, T, T)
-    # Room for one: cell 2 goes (its 500 fit in cells 1 and 3: 700); cell 3's 500 would
-    # then share cell 1's 600 with cell 2's 500 already moved there, so it stays.
-    tight = dict(reserved=[0, 400, 500, 500], free=[0, 600, 100, 100])
+    # Room for one: cell 2 goes (its 500 fit in cells 1 and 3: 550 free); cell 3's 500 would
+    # then have only cell 1's 450, so it stays.
+    tight = dict(reserved=[0, 400, 500, 500], free=[0, 450, 100, 100])
     assert elastic(snap([R] * 4, **base, **tight), p).roles == (T, R, T, R)
     # No room at all: nobody is lent; untracked (empty) reservations: the rule is off.
     full = dict(reserved=[0, 400, 500, 500], free=[0, 0, 0, 0])
