@@ -237,8 +237,7 @@ def prefix_forward(model, tokens_P, pos_P, leave_P, remat="none"):
 
     def block(x, p):
         q, k, v = decoder._qkv(p, x, pos_P[None], spec, dtype)
-        out = attention.attend(q, k, v, leave_P[None], impl=spec.attention,
-                                       block=spec.attn_block)  # fmt: skip
+        out = attention.attend(q, k, v, leave_P[None], impl=spec.attention, block=spec.attn_block)
         return decoder._finish_block(p, x, out, spec, dtype), (k[0], v[0])
 
     x, (k, v) = jax.lax.scan(decoder.remat_block(block, remat), x, model._layer_params())
