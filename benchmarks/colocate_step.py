@@ -2,6 +2,7 @@
 
     python benchmarks/colocate_step.py [--scenario 2.4T] [--steps 24]
                                        [--carry 0.9:1,0.5:2,0.25:4,0.1:8,0.05:16,0.02:24]
+                                       [--close-on own|owned]
 
 Colocate (all cells roll out a step, then all train it) on one of benchmarks/paper_table.py's
 scenarios, one seed, resident admission, at each ``close_share:max_carry`` pair. Per pair: the
@@ -27,6 +28,7 @@ sys.path.insert(0, HERE)
 
 import paper_table  # noqa: E402
 
+from gyre.elastic.policy import CLOSE_ON  # noqa: E402
 from gyre.elastic.sim import simulate  # noqa: E402
 from gyre.elastic.workload import generate  # noqa: E402
 
@@ -51,25 +53,36 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--carry", default="0.9:1,0.5:2,0.25:4,0.1:8,0.05:16,0.02:24",
                     help="close_share:max_carry pairs")  # fmt: skip
+    ap.add_argument(
+        "--close-on",
+        default="own",
+        choices=CLOSE_ON,
+        help="finished groups counted towards the share (PolicyParams.close_on)",
+    )
     args = ap.parse_args(argv)
     sc = next(s for s in paper_table.load_scenarios(args.steps) if args.scenario in s.name)
     cost, _, _ = paper_table.memory_cost(sc.calibration, sc.replication, admission="resident")
     steps = generate(sc.workload)
     timeout_h = sc.workload.timeout_s / 3600
-    print(f"{sc.name}: colocate, {args.steps} steps, query timeout {timeout_h:g} h")
+    print(
+        f"{sc.name}: colocate, {args.steps} steps, query timeout {timeout_h:g} h, "
+        f"close on {args.close_on}"
+    )
     print(f"{'close/carry':>12s} {'mean':>6s} {'w/o last':>8s} {'median':>6s} {'min':>5s} "
           f"{'train':>6s} {'rollout':>7s} {'timeouts':>8s}")  # fmt: skip
     rows, t0 = [], time.time()
     for pair in args.carry.split(","):
         share, carry = pair.split(":")
-        params = dataclasses.replace(sc.params, close_share=float(share), max_carry=int(carry))
+        params = dataclasses.replace(sc.params, close_share=float(share), max_carry=int(carry),
+                                     close_on=args.close_on)  # fmt: skip
         f = step_figures(simulate(steps, sc.num_cells, "colocate", cost, params))
         rows.append({"close_share": float(share), "max_carry": int(carry), **f})
         print(f"{pair:>12s} {f['mean_step_h']:5.2f}h {f['mean_without_last_h']:7.2f}h "
               f"{f['median_step_h']:5.2f}h {f['min_step_h']:4.2f}h "
               f"{f['train_role_per_step_h']:5.2f}h {f['rollout_role_per_step_h']:6.2f}h "
               f"{f['timeout_share']:8.0%}", flush=True)  # fmt: skip
-    res = {"scenario": sc.name, "steps": args.steps, "timeout_h": timeout_h, "rows": rows,
+    res = {"scenario": sc.name, "steps": args.steps, "timeout_h": timeout_h,
+           "close_on": args.close_on, "rows": rows,
            "below_timeout": [r["close_share"] for r in rows if r["mean_step_h"] < timeout_h],
            "seconds": round(time.time() - t0, 1)}  # fmt: skip
     print(json.dumps(res))

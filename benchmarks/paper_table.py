@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 from gyre.elastic import calibration  # noqa: E402
 from gyre.elastic.costs import CellMemory, hardware_engine_fields, kv_bytes_per_token  # noqa: E402
+from gyre.elastic.policy import CLOSE_ON  # noqa: E402
 from gyre.elastic.sim import simulate  # noqa: E402
 from gyre.elastic.workload import generate  # noqa: E402
 
@@ -358,12 +359,15 @@ def add_carry_flags(ap) -> None:
                     help="a step closes once this share of its groups has finished; the rest "
                     "carry over to the next step (1.0 = off, every policy waits for all)")  # fmt: skip
     ap.add_argument("--max-carry", type=int, default=1, help="steps a group may be carried")
+    ap.add_argument("--close-on", default="own", choices=CLOSE_ON,
+                    help="finished groups counted towards the share: the step's own, or every "
+                    "group it trains (carried-in ones included)")  # fmt: skip
 
 
 def with_carry(sc, args):
     """The scenario with the carry-over flags in its policy parameters (every policy's)."""
     params = dataclasses.replace(sc.params, close_share=args.close_share,
-                                 max_carry=args.max_carry)  # fmt: skip
+                                 max_carry=args.max_carry, close_on=args.close_on)  # fmt: skip
     return dataclasses.replace(sc, params=params)
 
 
@@ -423,6 +427,7 @@ def main():
     print(f"\n({time.time() - t0:.1f} s)")
     print(json.dumps({"scenarios": rows, "handover": args.handover, "admission": args.admission,
                       "close_share": args.close_share, "max_carry": args.max_carry,
+                      "close_on": args.close_on,
                       "memory": not args.no_memory, "seconds": round(time.time() - t0, 1)}))  # fmt: skip
 
 

@@ -242,7 +242,8 @@ def main():
     res = {"kv_ratios": list(kv), "train_shares": list(shares), "grid": rows, "scenarios": marks,
            "cells": sc.num_cells, "executions_per_step": sc.real_executions_per_step,
            "steps": steps_n, "seeds": seeds, "png": args.out, "admission": args.admission,
-           "close_share": args.close_share, "max_carry": args.max_carry}  # fmt: skip
+           "close_share": args.close_share, "max_carry": args.max_carry,
+           "close_on": args.close_on}  # fmt: skip
     grid = {(g["kv_ratio"], g["train_share_target"]): g for g in rows}
     for key, title in (("vs_async_best", "best async / elastic"),
                        ("vs_async_best_window", "best async / elastic, the previous steady "

@@ -17,7 +17,7 @@ import ml_collections
 from gyre import bounds
 from gyre.agent.context import AgentSettings
 from gyre.cluster.spec import BACKENDS, ClusterSpec
-from gyre.elastic.policy import POLICIES, PolicyParams
+from gyre.elastic.policy import CLOSE_ON, POLICIES, PolicyParams
 from gyre.envs.published import FORMATS as PROBLEM_FORMATS
 from gyre.envs.registry import ENVIRONMENTS, EnvSpec
 from gyre.errors import ConfigError
@@ -239,6 +239,9 @@ def default_config() -> ml_collections.ConfigDict:
     # off); groups still running carry into the next step, at most max_carry steps.
     c.scheduler.close_share = sched.close_share
     c.scheduler.max_carry = sched.max_carry
+    # which finished groups count towards close_share: "own" (dispatched by the step) or
+    # "owned" (every group it trains, carried-in ones included)
+    c.scheduler.close_on = sched.close_on
     # What the policy assumes until the run has measured its own figures: seconds a role
     # switch costs, and the calibration (gyre/elastic/calibrations/<name>.json, or a path)
     # whose training speed seeds each cell's train tokens/s.
@@ -322,6 +325,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "trajectory.reward", REWARDS)
     _check_choice(cfg, "scheduler.policy", tuple(POLICIES))
     _check_choice(cfg, "scheduler.handover", HANDOVERS)
+    _check_choice(cfg, "scheduler.close_on", CLOSE_ON)
     _check_choice(cfg, "env.name", tuple(ENVIRONMENTS))
     _check_choice(cfg, "env.problem_format", PROBLEM_FORMATS)
     _check_choice(cfg, "model.attention", IMPLS)

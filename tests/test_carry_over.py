@@ -64,11 +64,75 @@ def test_without_carry_over_a_step_waits_for_every_group():
     assert work.closable
 
 
+def test_close_on_owned_counts_carried_in_groups_towards_the_share():
+    work = StepWork(1, 0, num_groups=4, dispatched_at=0.0, need=2, max_carry=2,
+                    count_carried=True)  # fmt: skip
+    carried = [_group(0, 2), _group(0, 3)]
+    for g in carried:
+        g.carried = 1
+        work.own(g, spec=None)
+    for i in range(4):
+        work.own(_group(1, i), spec=None)
+    for g in carried:  # two carried-in groups finish before any of its own
+        work.finish(g, [], spec=None)
+    assert work.own_done == 2 and work.closable  # its 4 own groups may still be carried
+    assert [g.key for g in work.close()] == [(1, i) for i in range(4)]
+    own = StepWork(1, 0, num_groups=4, dispatched_at=0.0, need=2, max_carry=2)
+    for g in [_group(0, 0), _group(0, 1)]:
+        own.own(g, spec=None)
+        own.finish(g, [], spec=None)
+    assert own.own_done == 0 and not own.closable  # "own": carried groups do not count
+
+
+def test_close_on_is_checked_by_name():
+    with pytest.raises(ValueError, match="scheduler.close_on"):
+        PolicyParams(close_on="any")
+    from gyre import config
+
+    cfg = config.default_config()
+    cfg.scheduler.close_on = "first"
+    with pytest.raises(config.ConfigError, match="scheduler.close_on"):
+        config.validate(cfg)
+
+
+def _slowed(ex, extra_s):
+    calls = tuple(dataclasses.replace(c, tool_latency_s=c.tool_latency_s + extra_s)
+                  for c in ex.calls)  # fmt: skip
+    return dataclasses.replace(ex, calls=calls)
+
+
+def test_close_on_owned_closes_a_colocated_step_on_its_carried_in_work():
+    """Step 0 closes on its 3 fast executions and carries 6 medium ones; step 1's own are
+    all slow. Counting its own, step 1 waits for 3 slow executions; counting what it owns, it
+    closes once 3 of the carried ones (part-way through already) have finished."""
+    steps = small_workload(seed=2, steps=3, timeout=1e7)
+    steps[0][3:] = [_slowed(ex, 100.0) for ex in steps[0][3:]]
+    steps[1] = [_slowed(ex, 2000.0) for ex in steps[1]]
+    runs = {}
+    for close_on in ("own", "owned"):
+        params = PolicyParams(close_share=0.3, max_carry=2, close_on=close_on)
+        sim = Simulator(steps, 2, "colocate", COST, params)
+        runs[close_on] = (sim, sim.run())
+    (own, a), (owned, b) = runs["own"], runs["owned"]
+    slow_s = 2000.0 * min(len(ex.calls) for ex in steps[1])
+    assert a.step_end_s[1] - a.step_end_s[0] > slow_s  # waits for 3 of its slow ones
+    assert b.step_end_s[1] - b.step_end_s[0] < slow_s / 2
+    assert b.makespan_s < a.makespan_s
+    for sim, res in runs.values():  # each trained exactly once, within max_carry
+        assert set(res.end_counts.values()) == {1}
+        assert all(ex.step <= sim.trained_by[ex.execution_id] <= ex.step + 2
+                   for batch in steps for ex in batch)  # fmt: skip
+    assert sum(owned.trained_by[ex.execution_id] == 2 for ex in steps[1]) > sum(
+        own.trained_by[ex.execution_id] == 2 for ex in steps[1]
+    )  # step 1 closed before its slow ones: they went on to the last step
+
+
+@pytest.mark.parametrize("close_on", ["own", "owned"])
 @pytest.mark.parametrize("policy", ["async", "elastic", "colocate"])
 @pytest.mark.parametrize("memory", [COST, MEM])
-def test_simulated_carry_over_trains_every_execution_exactly_once(policy, memory):
+def test_simulated_carry_over_trains_every_execution_exactly_once(policy, memory, close_on):
     steps = small_workload(seed=3, steps=4)
-    params = PolicyParams(async_rollout_cells=2, close_share=0.5, max_carry=2)
+    params = PolicyParams(async_rollout_cells=2, close_share=0.5, max_carry=2, close_on=close_on)
     sim = Simulator(steps, 3, policy, memory, params)
     res = sim.run()
     ids = {ex.execution_id: ex for b in steps for ex in b}
@@ -87,10 +151,13 @@ def test_simulated_carry_over_trains_every_execution_exactly_once(policy, memory
 
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 1000), share=st.sampled_from([0.3, 0.5, 0.9]),
-       max_carry=st.integers(1, 3), policy=st.sampled_from(["async", "elastic", "colocate"]))  # fmt: skip
-def test_carry_over_never_trains_a_group_beyond_max_carry(seed, share, max_carry, policy):
+       max_carry=st.integers(1, 3), policy=st.sampled_from(["async", "elastic", "colocate"]),
+       close_on=st.sampled_from(["own", "owned"]))  # fmt: skip
+def test_carry_over_never_trains_a_group_beyond_max_carry(seed, share, max_carry, policy,
+                                                          close_on):  # fmt: skip
     steps = small_workload(seed=seed, steps=4)
-    params = PolicyParams(async_rollout_cells=1, close_share=share, max_carry=max_carry)
+    params = PolicyParams(async_rollout_cells=1, close_share=share, max_carry=max_carry,
+                          close_on=close_on)  # fmt: skip
     sim = Simulator(steps, 2, policy, COST, params)
     sim.run()
     for batch in steps:
@@ -151,3 +218,28 @@ def test_a_resume_restarts_exactly_the_groups_no_trained_step_holds():
     assert len(set(same_tasks)) == 3  # the tasks their steps drew, keyed by (seed, step)
     off = types.SimpleNamespace(run=specs.run, scheduler=PolicyParams())
     assert _rollouts(off, env).restart_untrained(3, set()) == 0  # nothing is ever carried
+
+
+@pytest.mark.parametrize("close_on", ["own", "owned"])
+def test_dispatch_builds_the_step_work_the_close_rule_names(close_on):
+    env = types.SimpleNamespace(
+        make_tasks=lambda seed, n: [Task(f"{seed}-{i}", None) for i in range(n)]
+    )
+    specs = types.SimpleNamespace(
+        run=types.SimpleNamespace(seed=0, tasks_per_step=4, samples_per_task=2, steps=5),
+        scheduler=PolicyParams(close_share=0.5, max_carry=2, close_on=close_on),
+        trajectory=None,
+    )
+    ro = _rollouts(specs, env)
+    ro.packed_tokens, started = 0.0, []
+    ro.start_groups = lambda groups, work=None: started.extend((g, work) for g in groups)
+    carried = _group(0, 3)
+    carried.carried = 1
+    ro.carried = [carried]
+    work = ro.dispatch(1, version=1)
+    assert work.need == 2 and work.max_carry == 2 and work.carried_in == 1
+    assert len(started) == 4 and all(w is work for _, w in started)
+    work.finish(carried, [], spec=None)
+    assert work.own_done == (1 if close_on == "owned" else 0)
+    last = ro.dispatch(4, version=4)  # the run's last step waits for everything
+    assert last.need == 4 and last.max_carry == 0

@@ -102,6 +102,7 @@ CHOICE_OWNERS = {
     "trajectory.packing": ("gyre.trajectory.batch", "PACKINGS"),
     "trajectory.reward": ("gyre.trajectory.advantages", "REWARDS"),
     "scheduler.policy": ("gyre.elastic.policy", "POLICIES"),
+    "scheduler.close_on": ("gyre.elastic.policy", "CLOSE_ON"),
     "scheduler.handover": ("gyre.rollout.types", "HANDOVERS"),
     "env.name": ("gyre.envs.registry", "ENVIRONMENTS"),
     "env.problem_format": ("gyre.envs.published", "FORMATS"),

@@ -129,6 +129,9 @@ class LoadSnapshot:
         return self.step - self.weight_version
 
 
+CLOSE_ON = ("own", "owned")  # PolicyParams.close_on
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyParams:
     """async_rollout_cells: the fixed async split (0 = half); max_staleness: bound on
@@ -143,7 +146,10 @@ class PolicyParams:
     the next step with the tokens they made so far; max_carry: how many steps a group may be
     carried (a step waits for carried groups that reached it), so a token is trained at most
     ``max_staleness + max_carry`` versions after the weights that sampled it. The last step
-    of a run waits for everything."""
+    of a run waits for everything. close_on: which finished groups count towards the share:
+    "own" (those the step dispatched) or "owned" (every group the step trains, carried-in
+    ones included: a step then closes on whatever has finished of its pool, and groups
+    carried in, already part-way through, no longer wait behind a fresh batch's fastest)."""
 
     async_rollout_cells: int = 0
     max_staleness: int = 1
@@ -151,14 +157,18 @@ class PolicyParams:
     leave_round_trips: float = bounds.knob(3.0, bounds.Bound(0))
     close_share: float = bounds.knob(1.0, bounds.Bound(0, 1, lo_open=True))
     max_carry: int = bounds.knob(1, bounds.Bound(1))
+    close_on: str = "own"
 
     def __post_init__(self):
         bounds.check(self, "scheduler")
+        if self.close_on not in CLOSE_ON:
+            raise ValueError(f"scheduler.close_on must be one of {CLOSE_ON}, got {self.close_on!r}")
 
     def close_need(self, units: int, last: bool) -> int:
-        """Own units (task groups, or the simulator's executions) a step waits for before it
-        may close: all for the run's last step (nothing follows to carry into), else
-        ceil(close_share x units) (all when carry-over is off)."""
+        """Finished units (task groups, or the simulator's executions; its own, or under
+        close_on "owned" every one it trains) a step waits for before it may close, of
+        ``units`` of its own: all for the run's last step (nothing follows to carry into),
+        else ceil(close_share x units) (all when carry-over is off)."""
         return units if last else math.ceil(self.close_share * units - 1e-9)
 
 

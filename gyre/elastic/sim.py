@@ -25,8 +25,9 @@ Model (every approximation is one line here, so results can be read against it):
   trained the step: 2 (n - 1) / n x ``reduce_s``.
 - Carry-over (``PolicyParams.close_share`` < 1, docs/policies.md): a step may close once
   that share of its own units (task groups under ``pack_by_group``, else executions) has
-  ended; its units still running then belong to the next step (at most ``max_carry`` times),
-  and their tokens, those made so far included, are queued there when they end.
+  ended (``close_on`` "owned": as many of the units it trains, carried-in ones included);
+  its units still running then belong to the next step (at most ``max_carry`` times), and
+  their tokens, those made so far included, are queued there when they end.
 - A batch of step s is dispatched when the policy allows it; rollout cells serve every
   request regardless of version (staleness is bounded by the dispatch rule).
 - When a new version is published every rollout cell pauses ``weight_load_s`` to load it
@@ -281,6 +282,7 @@ class Simulator:
             self.open_units[s].add(u)
         self.n_units = {s: len(self.open_units[s]) for s in range(len(steps))}
         self.units_done = collections.Counter()  # by dispatch step: units complete
+        self.units_trained = collections.Counter()  # by owner step: units complete
         self.trained_by: dict[str, int] = {}  # execution id -> the step that trained it
         self.group_tokens = collections.defaultdict(float)
         self.group_ctx = collections.defaultdict(float)
@@ -751,6 +753,7 @@ class Simulator:
         if self.unit_left[unit] == 0:
             self.open_units[owner].discard(unit)
             self.units_done[step] += 1
+            self.units_trained[owner] += 1
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
         self.ended_tokens += es.tokens
         self.end_counts[es.ex.execution_id] += 1
@@ -760,11 +763,13 @@ class Simulator:
 
     # ---- carry-over ----------------------------------------------------------------------
     def _closable(self, v: int) -> bool:
-        """Step ``v`` may close: ``close_share`` of its own units have completed and every
+        """Step ``v`` may close: ``close_share`` of its own units (under close_on "owned":
+        as many of the units it trains, carried-in ones included) have completed and every
         open unit it owns may still be carried (the last step waits for everything)."""
         if v == len(self.steps) - 1:
             return not self.open_units[v]
-        if self.units_done[v] < self.params.close_need(self.n_units[v], last=False):
+        done = self.units_trained[v] if self.params.close_on == "owned" else self.units_done[v]
+        if done < self.params.close_need(self.n_units[v], last=False):
             return False
         return all(self.unit_carried[u] < self.params.max_carry for u in self.open_units[v])
 

@@ -86,7 +86,8 @@ class Rollouts:
         tasks = step_tasks(self.env, run.seed, step, run.tasks_per_step)
         last = step == run.steps - 1  # the last step waits for everything
         work = StepWork(step, version, len(tasks), time.time(), need=sched.close_need(len(tasks), last),
-                        max_carry=0 if last else sched.max_carry)  # fmt: skip
+                        max_carry=0 if last else sched.max_carry,
+                        count_carried=sched.close_on == "owned")  # fmt: skip
         for g in self.carried:
             self.packed_tokens += work.own(g, self.specs.trajectory)
         self.carried = []

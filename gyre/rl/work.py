@@ -7,7 +7,8 @@ normaliser; the trainer rescales the parts' gradients to the whole step's normal
 (:meth:`gyre.train.step.Trainer.apply_parts`).
 
 Carry-over (``PolicyParams.close_share`` < 1): a step may close once that share of its own
-groups has finished; its groups still running are handed to the next step
+groups has finished (close_on "owned": as many of the groups it trains, carried-in ones
+included); its groups still running are handed to the next step
 (:meth:`StepWork.close`) and packed there when they finish, so every group is trained by
 exactly one step, the one that owns it when it finishes (the ledger names each step's
 groups: a resumed run re-runs the groups it finds untrained).
@@ -58,8 +59,9 @@ class StepWork:
     """One optimizer step's executions and training, from dispatch to update.
 
     need: own groups that must finish before the step may close (all of them, or
-    ceil(close_share x groups) with carry-over); max_carry: steps a group may be carried (a
-    group that reached it must finish here)."""
+    ceil(close_share x groups) with carry-over); count_carried: carried-in groups that finish
+    here count towards ``need`` too (close_on "owned"); max_carry: steps a group may be
+    carried (a group that reached it must finish here)."""
 
     step: int
     version_at_dispatch: int
@@ -67,13 +69,14 @@ class StepWork:
     dispatched_at: float
     need: int = -1  # -1: every own group
     max_carry: int = 1
+    count_carried: bool = False
     results: list = dataclasses.field(default_factory=list)  # ExecutionResults
     reports: list = dataclasses.field(default_factory=list)  # BatchReports, one per group
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     grads: list = dataclasses.field(default_factory=list)  # (part, GradResult)
     part_counts: list = dataclasses.field(default_factory=list)  # normaliser per part
     open_groups: set = dataclasses.field(default_factory=set)  # owned, still running
-    own_done: int = 0  # own groups finished
+    own_done: int = 0  # groups finished that count towards ``need``
     groups: list = dataclasses.field(default_factory=list)  # keys of the groups trained here
     carried_in: int = 0  # groups carried into this step
 
@@ -108,7 +111,7 @@ class StepWork:
         """A group this step owns has finished: pack it here -> trainable tokens queued."""
         self.open_groups.discard(group)
         self.groups.append(group.key)
-        if group.step == self.step:
+        if group.step == self.step or self.count_carried:
             self.own_done += 1
         return self.add_group(results, spec)
 
