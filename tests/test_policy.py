@@ -177,6 +177,27 @@ def test_work_that_gates_the_optimizer_step_needs_one_round_trip():
     assert a.roles == (T, R, R, R)
 
 
+def test_an_update_that_gates_everything_takes_every_cell():
+    """Staleness 0 with carry-over: the oldest step has rolled out, the next batch waits for
+    its update, and 10 carried executions still run. The update gates all progress, so
+    every cell trains (memory does not bind and no rollout cell is kept for the carried
+    executions, which wait as colocate's do); before the step has rolled out, or while a
+    batch may be dispatched, memory binds as usual."""
+    p = PolicyParams(max_staleness=0)
+    carried = dict(outstanding=10, trainable=BIG_QUEUE, live=[3] * 4, cap=4)
+    a = elastic_throughput(snap([R] * 4, rolled_out=True, step=2, version=1, **carried), p)
+    assert a.roles == (T,) * 4 and not a.dispatch
+    a = elastic_throughput(snap([R] * 4, rolled_out=False, step=2, version=1, **carried), p)
+    assert a.roles.count(R) == 4  # 10 running need 3 cells, plus one of slack
+    a = elastic_throughput(snap([R] * 4, rolled_out=True, step=1, version=1, **carried), p)
+    # A batch may go out: memory binds, and only the one cell that always takes gating work
+    # leaves.
+    assert a.dispatch and a.roles.count(R) == 3
+    a = elastic_throughput(snap([T] * 4, rolled_out=True, step=2, version=1, outstanding=10,
+                                trainable=0.0, live=[0] * 4, cap=4), p)  # fmt: skip
+    assert R in a.roles  # nothing left to train: the carried executions get their cells back
+
+
 def test_memory_binds_the_cells_that_may_leave():
     p = PolicyParams(max_staleness=0)
     # 10 running executions, 4 per cell, one cell of slack: 3 + 1 cells must stay.
@@ -259,6 +280,20 @@ def test_on_policy_runs_keep_the_throughput_rule_whatever_is_measured():
               snap([T] * 4, outstanding=0, trainable=BIG_QUEUE, rate=150.0, rolled_out=True)):  # fmt: skip
         assert elastic(s, p) == elastic_throughput(s, p)
     assert elastic(snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4), p).roles == (R,) * 4
+
+
+def test_with_carry_over_elastic_is_the_throughput_rule():
+    """Carry-over (close_share < 1): steps close without their stragglers and elastic
+    time-shares every cell by the throughput rule instead of holding a measured split."""
+    carry, off = PolicyParams(max_staleness=1, close_share=0.9), PolicyParams(max_staleness=1)
+    snaps = (snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4),
+             snap([R] * 4, outstanding=8, trainable=BIG_QUEUE, rate=150.0, rolled_out=True,
+                  step=3, version=1, live=[2] * 4))  # fmt: skip
+    for s in snaps:
+        assert elastic(s, carry) == elastic_throughput(s, carry)
+    assert elastic(snaps[0], carry).roles == (R,) * 4  # nothing to train: every cell decodes
+    assert elastic(snaps[0], off).roles[0] == T  # the measured split keeps a train cell
+    assert elastic(snaps[1], carry).roles == (T,) * 4  # the update gates the run
 
 
 def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
@@ -396,8 +431,13 @@ def test_policies_are_pure_and_well_formed(s, name):
     assert a == b
     assert len(a.roles) == s.num_cells and set(a.roles) <= {R, T}
     demand = s.outstanding + (s.next_batch if a.dispatch else 0)
-    # Rollout work always has a cell, except colocate's training of a step that may close
-    # while carried executions wait (they roll out again once the step's update lands).
-    carried_wait = name == "colocate" and s.rolled_out and s.train_queue_tokens > 0
+    # Rollout work always has a cell, except while a step that may close trains and carried
+    # executions wait (they roll out again once the step's update lands): colocate's, and
+    # the throughput rule's when nothing may be dispatched before that update.
+    gated = s.rolled_out and not a.dispatch
+    carried_wait = gated and (
+        (name == "colocate" and s.train_queue_tokens > 0)
+        or (name in ("elastic", "elastic_throughput") and s.trainable_tokens > 0)
+    )
     assert demand == 0 or R in a.roles or carried_wait
     assert s.train_queue_tokens == 0 or demand > 0 or T in a.roles  # so does train work
