@@ -282,20 +282,6 @@ def test_on_policy_runs_keep_the_throughput_rule_whatever_is_measured():
     assert elastic(snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4), p).roles == (R,) * 4
 
 
-def test_with_carry_over_elastic_is_the_throughput_rule():
-    """Carry-over (close_share < 1): steps close without their stragglers and elastic
-    time-shares every cell by the throughput rule instead of holding a measured split."""
-    carry, off = PolicyParams(max_staleness=1, close_share=0.9), PolicyParams(max_staleness=1)
-    snaps = (snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4),
-             snap([R] * 4, outstanding=8, trainable=BIG_QUEUE, rate=150.0, rolled_out=True,
-                  step=3, version=1, live=[2] * 4))  # fmt: skip
-    for s in snaps:
-        assert elastic(s, carry) == elastic_throughput(s, carry)
-    assert elastic(snaps[0], carry).roles == (R,) * 4  # nothing to train: every cell decodes
-    assert elastic(snaps[0], off).roles[0] == T  # the measured split keeps a train cell
-    assert elastic(snaps[1], carry).roles == (T,) * 4  # the update gates the run
-
-
 def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
     p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
     live = [0, 3, 0, 0]  # cell 1 is the base's first rollout cell; 2 and 3 are idle

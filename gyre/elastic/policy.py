@@ -406,10 +406,7 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     keeps pace with the rate at which rollout hands it tokens, both measured; the rest roll
     out. Until the rate is measured (no execution has ended), and always when steps may not
     overlap (``max_staleness`` 0: a step trains only once its rollout is done, so a standing
-    split would idle its train cells through every rollout) or with carry-over
-    (``close_share`` < 1: steps close without their stragglers, and the work-conserving rule,
-    which gives every cell to an update that gates the run, measured 1.06-1.20 of the best
-    split at KV <= 0.7 against the base's 0.97-1.07), the throughput rule decides.
+    split would idle its train cells through every rollout), the throughput rule decides.
     Lend: a rollout cell with no live request goes to training while no execution waits for
     admission (none dispatched and not started, no batch about to be dispatched) and the
     trainable tokens keep the train cells, it included, busy for more than
@@ -422,8 +419,7 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     handing over the lent cell's idle contexts.
     """
     k = snap.num_cells
-    carry_over = params.close_share < 1
-    n = base_train_cells(snap) if params.max_staleness > 0 and not carry_over else 0
+    n = base_train_cells(snap) if params.max_staleness > 0 else 0
     if n == 0:
         return elastic_throughput(snap, params)
     dispatch = _may_dispatch(snap, params.max_staleness)
