@@ -243,3 +243,45 @@ def test_dispatch_builds_the_step_work_the_close_rule_names(close_on):
     assert work.own_done == (1 if close_on == "owned" else 0)
     last = ro.dispatch(4, version=4)  # the run's last step waits for everything
     assert last.need == 4 and last.max_carry == 0
+
+
+def test_the_simulators_snapshot_counts_executions_ended_at_their_timeout():
+    steps = small_workload(seed=1, steps=2, timeout=300.0)
+    sim = Simulator(steps, 2, "elastic", COST, PolicyParams(close_share=0.5, max_carry=2))
+    seen = []
+    snapshot = sim._snapshot
+    sim._snapshot = lambda: seen.append(snapshot()) or seen[-1]
+    res = sim.run()
+    timeouts = sum(o[0] == "timeout" for o in res.outcomes.values())
+    assert 0 < timeouts < len(res.outcomes)
+    assert seen[-1].timed_out == timeouts and seen[-1].finished == len(res.outcomes)
+    shares = [s.timeout_share for s in seen]
+    assert shares[0] == 0.0 and max(shares) > 0.0
+
+
+def test_the_controllers_rollouts_count_executions_ended_at_their_timeout(monkeypatch):
+    """Rollouts counts each finished execution, and those that ended at their timeout apart
+    (the controller's snapshot reads both)."""
+    import asyncio
+
+    import gyre.rl.rollouts as rollouts_mod
+
+    reasons = iter(["success", "timeout", "timeout", "failure"])
+
+    async def fake_run(env, task, client, agent, eid):
+        return types.SimpleNamespace(end_reason=next(reasons), execution_id=eid)
+
+    monkeypatch.setattr(rollouts_mod, "run_execution", fake_run)
+    specs = types.SimpleNamespace(
+        run=types.SimpleNamespace(samples_per_task=4), agent=None, trajectory=None
+    )
+    ro = _rollouts(specs, env=None)
+    ro.gate, ro.first_start, ro.packed_tokens = asyncio.Semaphore(4), None, 0.0
+    ro.timeline = types.SimpleNamespace(now=lambda: 0.0)
+    ro.client = types.SimpleNamespace(end_execution=lambda eid: None)
+    ro.trace = types.SimpleNamespace(record=lambda *a: None)
+    ro.on_progress = lambda: None
+    group = _group(0, 0)  # carried to a step not yet dispatched: its results wait on it
+    asyncio.run(ro._run_group(group))
+    assert ro.counters["finished"] == 4 and ro.counters["timed_out"] == 2
+    assert [r.end_reason for r in group.results] == ["success", "timeout", "timeout", "failure"]

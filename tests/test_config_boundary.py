@@ -38,6 +38,7 @@ CHANGED = {
     "rollout.decode_steps": 4,
     "rollout.cpu_vector_width": 256,
     "rollout.admission": "resident",
+    "scheduler.close_on": "owned",
     "train.remat": "full",
     "cluster.backend": "ray",
     "cluster.address": "auto",

@@ -43,6 +43,7 @@ def snap(
     t2r=3.5,
     reserved=(),
     free=(),
+    timed_out=0,
 ):
     k = len(roles)
     return LoadSnapshot(
@@ -65,6 +66,7 @@ def snap(
         rollout_tokens_per_s=rate,
         kv_reserved_tokens=tuple(reserved),
         kv_free_tokens=tuple(free),
+        timed_out=timed_out,
     )
 
 
@@ -282,6 +284,23 @@ def test_on_policy_runs_keep_the_throughput_rule_whatever_is_measured():
     assert elastic(snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4), p).roles == (R,) * 4
 
 
+def test_with_carry_over_elastic_pauses_only_while_executions_rarely_time_out():
+    """Carry-over: while few ended executions timed out, elastic is the throughput rule (an
+    update that gates the run takes every cell, pausing the next step's executions); once
+    PAUSE_TIMEOUT_SHARE of them time out, pausing would cut more short and the measured base
+    stays. Without carry-over the base stays whatever the timeouts."""
+    carry, off = PolicyParams(max_staleness=1, close_share=0.9), PolicyParams(max_staleness=1)
+    gated = dict(outstanding=8, trainable=BIG_QUEUE, rate=150.0, rolled_out=True, step=3,
+                 version=1, live=[2] * 4)  # fmt: skip
+    few = snap([R] * 4, timed_out=2, **gated)  # 2 of 20 ended executions timed out
+    many = snap([R] * 4, timed_out=10, **gated)  # 10 of 20
+    assert few.timeout_share == pytest.approx(0.1) and many.timeout_share == pytest.approx(0.5)
+    assert elastic(few, carry) == elastic_throughput(few, carry)
+    assert elastic(few, carry).roles == (T,) * 4  # the update gates the run: every cell
+    assert elastic(many, carry) == elastic(many, off) == elastic(few, off)
+    assert elastic(many, carry).roles.count(R) >= 1  # the base keeps its rollout cells
+
+
 def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
     p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
     live = [0, 3, 0, 0]  # cell 1 is the base's first rollout cell; 2 and 3 are idle
@@ -377,6 +396,10 @@ def test_snapshot_validation():
         snap([R, R], reserved=[1.0], free=[1.0])
     with pytest.raises(ValueError, match="kv_free_tokens must be >= 0"):
         snap([R, R], reserved=[1.0, 1.0], free=[1.0, -1.0])
+    with pytest.raises(ValueError, match="timed_out must be in"):
+        snap([R, R], timed_out=21)  # 20 finished
+    with pytest.raises(ValueError, match="timed_out must be in"):
+        snap([R, R], timed_out=-1)
     with pytest.raises(ValueError, match="given together"):
         snap([R, R], reserved=[1.0, 1.0])
 

@@ -412,6 +412,7 @@ class Simulator:
             trainable_tokens=trainable,
             rolled_out=rolled_out,
             rollout_tokens_per_s=self._rollout_tps(),
+            timed_out=self.counters["timed_out"],
             **self.memory.kv_room(),
         )
 
@@ -755,6 +756,7 @@ class Simulator:
             self.units_done[step] += 1
             self.units_trained[owner] += 1
         self.outcomes[es.ex.execution_id] = (reason, es.start, self.t, es.tokens)
+        self.counters["timed_out"] += reason == "timeout"
         self.ended_tokens += es.tokens
         self.end_counts[es.ex.execution_id] += 1
         self.memory.ended(es)

@@ -36,6 +36,8 @@ from gyre.rl.rollouts import Rollouts
 from gyre.rl.tasks import Supervised
 from gyre.rl.work import StepRecord, StepWork
 
+_COUNTED = ("dispatched", "started", "finished", "timed_out")  # the snapshot's execution counts
+
 
 class Controller:
     """Runs ``rt.specs.run.steps`` RL steps of the runtime ``rt`` (gyre/rl/builder.py),
@@ -91,7 +93,7 @@ class Controller:
         queued = oldest.queued_tokens if oldest else 0.0  # all trainable now: a part per group
         return LoadSnapshot(
             roles=pick(self.roles),
-            **{k: self.rollouts.counters[k] for k in ("dispatched", "started", "finished")},
+            **{k: self.rollouts.counters[k] for k in _COUNTED},
             live_requests=pick([n if r == "rollout" else 0 for n, r in zip(live, self.roles)]),
             train_queue_tokens=queued,
             trainable_tokens=queued,

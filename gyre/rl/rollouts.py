@@ -120,6 +120,7 @@ class Rollouts:
                 finally:  # ended, failed or cancelled: its KV reservation goes
                     self.client.end_execution(eid)
             self.counters["finished"] += 1
+            self.counters["timed_out"] += res.end_reason == "timeout"
             self.trace.record(res, g.step, g.index, start, self.timeline.now())
             self.on_progress()
             return res
