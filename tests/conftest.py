@@ -109,6 +109,14 @@ def xla_cache() -> str:
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
+@pytest.fixture(scope="session")
+def tiny_warm(tmp_path_factory) -> str:
+    """A warm-start cache (``--config.sft.dir``) for the session's tiny quick-start launches
+    (test_controller, test_faults: one recipe), so that a worker trains that warm start once,
+    not once per module. One per worker: two processes never write one cache."""
+    return str(tmp_path_factory.mktemp("tiny_warm"))
+
+
 def _sandbox_why_not() -> str | None:
     from gyre.envs.sandbox import INSTALL_HINT, isolation_available
 
