@@ -465,6 +465,9 @@ def main():
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="tiny (0.56M parameters) or peer (vs_tunix.py's 5.25M Qwen3)")  # fmt: skip
     parser.add_argument("--no-load", action="store_true", help="only the batch table")
+    parser.add_argument("--batches", type=lambda s: tuple(int(b) for b in s.split(",")),
+                        help="the batch table's batch sizes, e.g. 1,8 (default: 1,8,32; "
+                        "--quick: 1,8)")  # fmt: skip
     parser.add_argument("--write-calibration", metavar="PATH", help="the load sweep's rows as a "
                         "measured calibration (gyre/elastic/calibration.py)")  # fmt: skip
     parser.add_argument("--calibration-base", default="cpu_measured",
@@ -484,7 +487,7 @@ def main():
 def batch_table(args, cell) -> dict:
     """The batch table (engine vs no-cache baseline vs bandwidth bound); -> its figures."""
     prompt_len, new = (32, 32) if args.quick else (64, 64)
-    batches = (1, 8) if args.quick else (1, 8, 32)
+    batches = args.batches or ((1, 8) if args.quick else (1, 8, 32))
     max_len = 128 if args.quick else 256
     bandwidth = measured_bandwidth()
     rows, figures = [], {"bandwidth_GBps": round(bandwidth / 1e9, 2), "prompt": prompt_len}

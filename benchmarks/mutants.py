@@ -323,22 +323,27 @@ async def inverse_pairs(problems, jobs: int = 2, min_tests: int = 3) -> list[tup
         # only a whose outputs are of the types b takes: b's reference never sees odd inputs
         sources = [a for a in unary if split[a] != split[b.name]
                    and kinds(w for _, w in unary[a]) <= takes[b.name]]  # fmt: skip
-        inputs = [[want] for a in sources for _, want in unary[a]]
-        if not inputs:
-            return []
-        try:
-            (row,) = await _outcomes(b.name, [b.solution], inputs, sem)
-        except RuntimeError as exc:  # b's reference cannot run on some of them: not an inverse
-            print(f"inverse check: {exc}", file=sys.stderr)
-            return []
-        found, i = [], 0
-        for a in sources:
-            tests = unary[a]
-            if all(o[0] == "value" and _same(o[1], _expected(x))
-                   for o, (x, _) in zip(row[i : i + len(tests)], tests)):  # fmt: skip
-                found.append((a, b.name))
-            i += len(tests)
-        return found
+        # Two rounds: each a's first test, then the other tests of the a that passed it (an
+        # inverse passes them all). Most a fail at once, so b's reference runs on far fewer
+        # inputs: collatz_steps on every other output timed out 55 times, 27 s of the 41.
+        for tests in (lambda t: t[:1], lambda t: t[1:]):
+            inputs = [[want] for a in sources for _, want in tests(unary[a])]
+            if not inputs:
+                break
+            try:
+                (row,) = await _outcomes(b.name, [b.solution], inputs, sem)
+            except RuntimeError as exc:  # b's reference cannot run on some: not an inverse
+                print(f"inverse check: {exc}", file=sys.stderr)
+                return []
+            kept, i = [], 0
+            for a in sources:
+                these = tests(unary[a])
+                if all(o[0] == "value" and _same(o[1], _expected(x))
+                       for o, (x, _) in zip(row[i : i + len(these)], these)):  # fmt: skip
+                    kept.append(a)
+                i += len(these)
+            sources = kept
+        return [(a, b.name) for a in sources]
 
     ones = [p for p in problems if p.name in unary]
     return sorted(

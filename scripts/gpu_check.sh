@@ -54,7 +54,7 @@ run() {  # name, then the command: its last JSON line goes to $TMP/name.json
 
 if [ "$DRY" = 1 ]; then
   run train_mfu "$PY" scripts/train_mfu.py --dry-run
-  run decode "$PY" benchmarks/decode.py --quick --no-load
+  run decode "$PY" benchmarks/decode.py --quick --no-load --batches 1
   run switch "$PY" benchmarks/switch.py --repeats 1 --vocab 256 --d-model 64 --layers 1 \
     --d-ff 128 --heads 2 --kv-heads 1 --head-dim 32
   run path_cap "$PY" benchmarks/path_cap.py --quick --runs 1 --executions 2

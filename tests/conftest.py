@@ -44,17 +44,27 @@ settings.register_profile("thorough", max_examples=100 * THOROUGH_FACTOR, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"))
 
 
-# Modules of single tests that take minutes, longest first: collected first, so that
-# pytest-xdist starts them first (after the xdist_group units, which it sends before single
-# tests) instead of leaving one worker with a long test at the end and the other idle.
-RUN_FIRST = ("test_quickstart.py", "test_chat_quickstart.py", "test_gpu_check.py",
-             "test_faults.py")  # fmt: skip
+# Tests that take a minute or more on CI's 2 cores, longest first ("file" or "file::test"
+# prefixes of a test's id; a module's xdist_group unit goes where its first test does). They
+# are collected first, and pyproject.toml's --no-loadscope-reorder makes pytest-xdist hand its
+# units out in collection order (by default it sends the xdist_group units first, largest
+# first, and the single tests after them): the two quick starts (~4 minutes each) start at
+# once, one on each worker, and the short tests fill the end instead of a long one.
+RUN_FIRST = ("test_chat_quickstart.py", "test_quickstart.py", "test_ray_cluster.py",
+             "test_gpu_check.py", "test_controller.py::test_kill_mid_step", "test_faults.py",
+             "test_controller.py::test_ctrl_c", "test_code_set_strength.py",
+             "test_chat_experiments.py", "test_tree_schedule.py", "test_controller.py",
+             "test_checkpoint.py", "test_attention.py")  # fmt: skip
+
+
+def _run_first(item) -> int:
+    name = f"{item.path.name}::{item.name}"
+    return next((i for i, p in enumerate(RUN_FIRST) if name.startswith(p)), len(RUN_FIRST))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: else as found
+    items.sort(key=_run_first)  # stable: else as found
     _xdist_groups(config, items)
     _thorough(items)
 
@@ -107,6 +117,14 @@ def xla_cache() -> str:
     """The session's persistent XLA cache: the ``--config.mesh.cache_dir`` of the runs a test
     starts as subprocesses, so that they load what other tests compiled already."""
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+@pytest.fixture(scope="session")
+def tiny_warm(tmp_path_factory) -> str:
+    """A warm-start cache (``--config.sft.dir``) for the session's tiny quick-start launches
+    (test_controller, test_faults: one recipe), so that a worker trains that warm start once,
+    not once per module. One per worker: two processes never write one cache."""
+    return str(tmp_path_factory.mktemp("tiny_warm"))
 
 
 def _sandbox_why_not() -> str | None:

@@ -28,6 +28,9 @@ from gyre.rollout.programs import ADMISSIONS
 from gyre.rollout.proxy import Proxy
 from gyre.rollout.types import GenerateRequest
 
+# one xdist worker runs the module: its fixture compiles both cells' programs once, not twice
+pytestmark = pytest.mark.xdist_group("admission")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():

@@ -1,6 +1,7 @@
 """Config validation: unknown keys, wrong types and impossible layouts are one-line errors."""
 
 import ast
+import functools
 import glob
 import importlib
 import os
@@ -115,27 +116,36 @@ CHOICE_OWNERS = {
 }
 
 
-def _literal_copies(values, owner_module: str, owner_name: str) -> list[str]:
-    """Where a tuple, list or set literal in gyre/ spells out ``values`` (the owner's own
-    definition aside): 'path:line' each."""
+@functools.cache
+def _gyre_literals() -> tuple:
+    """Every module of gyre/, parsed once: (path from gyre/, module name, its tree, [(node,
+    frozenset of its values)] of each tuple, list or set literal of constants)."""
     root = os.path.dirname(importlib.import_module("gyre").__file__)
-    want, found = frozenset(values), []
+    out = []
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
         module = "gyre." + os.path.relpath(path, root)[:-3].replace(os.sep, ".")
         module = module.removesuffix(".__init__")
         tree = ast.parse(open(path, encoding="utf-8").read())
+        literals = [(node, frozenset(e.value for e in node.elts)) for node in ast.walk(tree)
+                    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts
+                    and all(isinstance(e, ast.Constant) for e in node.elts)]  # fmt: skip
+        out.append((os.path.relpath(path, root), module, tree, literals))
+    return tuple(out)
+
+
+def _literal_copies(values, owner_module: str, owner_name: str) -> list[str]:
+    """Where a tuple, list or set literal in gyre/ spells out ``values`` (the owner's own
+    definition aside): 'path:line' each."""
+    want, found = frozenset(values), []
+    for rel, module, tree, literals in _gyre_literals():
         own = set()
         if module == owner_module:
             for node in ast.walk(tree):
                 targets = getattr(node, "targets", [getattr(node, "target", None)])
                 if any(isinstance(t, ast.Name) and t.id == owner_name for t in targets):
                     own |= {id(n) for n in ast.walk(node)}
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in own:
-                elts = node.elts
-                if elts and all(isinstance(e, ast.Constant) for e in elts):
-                    if frozenset(e.value for e in elts) == want:
-                        found.append(f"{os.path.relpath(path, root)}:{node.lineno}")
+        found += [f"{rel}:{node.lineno}" for node, got in literals
+                  if got == want and id(node) not in own]  # fmt: skip
     return found
 
 

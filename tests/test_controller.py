@@ -21,10 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """A compilation cache and a warm-start cache shared by every run in this module."""
-    base = tmp_path_factory.mktemp("controller")
-    return {"cache": str(base / "xla"), "warm": str(base / "warm")}
+def shared(xla_cache, tiny_warm):
+    """The session's XLA cache and tiny warm-start cache (tests/conftest.py), which
+    test_faults' launches and the in-process runs here share: the launches load programs
+    compiled already instead of compiling them into a cold folder of this module's."""
+    return {"cache": xla_cache, "warm": tiny_warm}
 
 
 def tiny(shared, **overrides):

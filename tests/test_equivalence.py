@@ -34,7 +34,11 @@ from gyre.trajectory.select import select_paths
 from gyre.trajectory.tree import build_tree
 
 ROW = 128
-pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+# one xdist worker runs the module: its module fixtures are built once, not on both
+pytestmark = [
+    pytest.mark.xdist_group("equivalence"),
+    pytest.mark.filterwarnings("ignore:Some donated buffers were not usable"),
+]
 
 
 def tiny_specs():

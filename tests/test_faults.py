@@ -17,11 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory, xla_cache):
-    """The session's XLA cache (tests/conftest.py), which the other tests' tiny runs share,
-    and a warm-start cache for this module."""
-    base = tmp_path_factory.mktemp("faults")
-    return {"cache": xla_cache, "warm": str(base / "warm")}
+def shared(xla_cache, tiny_warm):
+    """The session's XLA cache and tiny warm-start cache (tests/conftest.py), which the
+    other tests' tiny runs share (test_controller's launches use the same warm start)."""
+    return {"cache": xla_cache, "warm": tiny_warm}
 
 
 def _launch(workdir, shared, *extra, hooks=()):

@@ -29,8 +29,11 @@ def world(tmp_path_factory):
     """A Ray instance, a compilation cache, and the in-process reference run (8 devices as
     2 cells of 4, the shipped warm start so that gradients are not zero)."""
     base = tmp_path_factory.mktemp("cluster")
+    # Ray starts its workers at niceness 15: next to the other xdist worker's run (niceness
+    # 0) the actors got a few percent of a core and these tests took 4-10x as long.
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": {"XLA_FLAGS": ""}})  # fmt: skip
+             runtime_env={"env_vars": {"XLA_FLAGS": ""}},
+             _system_config={"worker_niceness": 0})  # fmt: skip
     shared = {"cache": str(base / "xla"), "base": base}
     shared["reference"] = _launch(shared, "local", "reference")
     yield shared

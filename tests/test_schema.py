@@ -16,7 +16,11 @@ from gyre.train.step import Trainer, TrainerSpec, split_microbatches
 from gyre.trajectory import schema
 from gyre.trajectory.batch import ExecutionResult, build_batch
 
-pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+# one xdist worker runs the module: its module fixtures are built once, not on both
+pytestmark = [
+    pytest.mark.xdist_group("schema"),
+    pytest.mark.filterwarnings("ignore:Some donated buffers were not usable"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,9 @@ from gyre.trajectory.batch import ExecutionResult, build_batch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 from tree_vs_flat import agent_execution  # noqa: E402
 
+# one xdist worker runs the module: the model and the programs its tests share compile once
+pytestmark = pytest.mark.xdist_group("tree_schedule")
+
 TOL = 2e-5
 VERSION = 1  # the trainer's version: tokens of version 0 are stale (tis_cap on)
 
