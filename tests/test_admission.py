@@ -286,7 +286,10 @@ def test_hand_over_moves_or_drops_the_reservation_and_stays_exact(mode):
             assert proxy.kv_room() == {
                 "kv_reserved_tokens": (0.0, 61.0),
                 "kv_free_tokens": (100.0, 39.0),
+                "kv_peak_tokens": 0.0,  # no execution has ended yet
             }
+            assert proxy.kv_room([1]) == {"kv_reserved_tokens": (61.0,),
+                                          "kv_free_tokens": (39.0,), "kv_peak_tokens": 0.0}  # fmt: skip
         else:  # dropped, then admitted anew (the only open cell): now the youngest
             assert counts == {"retried": 1} and led.youngest(1) == "h0"
         out = await drive(proxy, tasks)

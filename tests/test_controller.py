@@ -278,9 +278,10 @@ def test_an_error_in_a_background_task_ends_the_run_at_once(shared, tmp_path, mo
 @pytest.mark.slow
 def test_the_policy_sees_measured_figures_and_concurrency_is_honoured(shared, tmp_path):
     """No placeholder reaches the policy: train tokens/s from timed micro-batches, switch
-    seconds from timed switches, capacity from the KV pools, a real 'started' counter; and at
-    most agent.concurrency executions run at once."""
-    cfg = tiny(shared, **{"agent.concurrency": 3, "scheduler.calibration": "cpu_measured"})
+    seconds from timed switches, capacity from the KV pools and the resident ledger, a real
+    'started' counter; and at most agent.concurrency executions run at once."""
+    cfg = tiny(shared, **{"agent.concurrency": 3, "scheduler.calibration": "cpu_measured",
+                          "rollout.admission": "resident"})  # fmt: skip
     ctrl = Controller(build_runtime(build_specs(cfg), str(tmp_path)))
     seen, rows, calls = [], [], []
     policy = ctrl.scheduler_policy
@@ -305,6 +306,11 @@ def test_the_policy_sees_measured_figures_and_concurrency_is_honoured(shared, tm
     assert all(m.count > 0 for m in ctrl.figures.train)  # every cell trained and was timed
     assert all(t != seed and t > 0 for t in last.train_throughput)
     assert last.rollout_capacity == ctrl.proxy.capacity_contexts()
+    # the resident ledger: per cell the tokens reserved and free, and the ended executions'
+    # mean peak reservation (0 until the first ended)
+    assert all(len(s.kv_free_tokens) == len(ctrl.proxy.engines) for s in seen)
+    assert last.kv_peak_tokens == ctrl.proxy.ledger.floor > 0
+    assert seen[0].kv_peak_tokens == 0.0
     # the work a train cell could take now, and when the oldest step has rolled out
     assert any(s.trainable_tokens > 0 for s in seen) and any(s.rolled_out for s in seen)
     assert all(s.trainable_tokens == s.train_queue_tokens for s in seen)  # a part per group

@@ -14,6 +14,7 @@ from gyre.elastic.policy import (
     LoadSnapshot,
     PolicyParams,
     async_split,
+    base_holds_batch,
     base_train_cells,
     colocate,
     elastic,
@@ -44,6 +45,7 @@ def snap(
     reserved=(),
     free=(),
     timed_out=0,
+    peak=0.0,
 ):
     k = len(roles)
     return LoadSnapshot(
@@ -67,6 +69,7 @@ def snap(
         kv_reserved_tokens=tuple(reserved),
         kv_free_tokens=tuple(free),
         timed_out=timed_out,
+        kv_peak_tokens=peak,
     )
 
 
@@ -301,6 +304,34 @@ def test_with_carry_over_elastic_pauses_only_while_executions_rarely_time_out():
     assert elastic(many, carry).roles.count(R) >= 1  # the base keeps its rollout cells
 
 
+def test_with_carry_over_elastic_keeps_its_base_where_it_holds_a_batch_resident():
+    """Carry-over, few timeouts: where the measured split's rollout cells hold a whole batch
+    resident (their pools / the ended executions' mean peak reservation >= next_batch), the
+    base stays (rolling out on every cell adds no room, pausing only costs); where they do
+    not, the throughput rule takes every cell for the update that gates the run."""
+    carry, off = PolicyParams(max_staleness=1, close_share=0.9), PolicyParams(max_staleness=1)
+    # rate 150 / tp 100: the base trains on ceil(1.5) = 2 cells, cells 2 and 3 roll out, with
+    # 500 + 500 tokens of pool each: 2000 tokens for a batch of 8.
+    gated = dict(outstanding=8, trainable=BIG_QUEUE, rate=150.0, rolled_out=True, step=3,
+                 version=1, live=[2] * 4, timed_out=2, next_batch=8,
+                 reserved=[500.0] * 4, free=[500.0] * 4)  # fmt: skip
+    holds, exact, short = (snap([R] * 4, peak=x, **gated) for x in (200.0, 250.0, 300.0))
+    assert base_holds_batch(holds) and base_holds_batch(exact)  # 10 and exactly 8 contexts
+    assert not base_holds_batch(short)  # 6.7 < 8
+    for s in (holds, exact):
+        assert elastic(s, carry) == elastic(s, off)
+        assert elastic(s, carry).roles == (T, T, R, R)  # the measured split
+    assert elastic(short, carry) == elastic_throughput(short, carry)
+    assert elastic(short, carry).roles == (T,) * 4
+    # Unmeasured: no execution ended (peak 0), no pools tracked, no batch left, one cell.
+    assert not base_holds_batch(snap([R] * 4, peak=0.0, **{**gated}))
+    untracked = {**gated, "reserved": (), "free": ()}
+    assert not base_holds_batch(snap([R] * 4, peak=200.0, **untracked))
+    assert not base_holds_batch(snap([R] * 4, peak=200.0, **{**gated, "next_batch": 0}))
+    one = {**gated, "live": [2], "reserved": [1e9], "free": [1e9]}
+    assert not base_holds_batch(snap([R], peak=200.0, **one))
+
+
 def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
     p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
     live = [0, 3, 0, 0]  # cell 1 is the base's first rollout cell; 2 and 3 are idle
@@ -400,6 +431,8 @@ def test_snapshot_validation():
         snap([R, R], timed_out=21)  # 20 finished
     with pytest.raises(ValueError, match="timed_out must be in"):
         snap([R, R], timed_out=-1)
+    with pytest.raises(ValueError, match="kv_peak_tokens must be >= 0"):
+        snap([R, R], peak=-1.0)
     with pytest.raises(ValueError, match="given together"):
         snap([R, R], reserved=[1.0, 1.0])
 

@@ -101,8 +101,11 @@ def test_hand_over_moves_reservations_with_the_contexts():
     sim._switch(sim.cells[1], TRAIN)
     assert [led.cell_of(es) for es in sim.open_es] == [0] * 4
     assert len(sim.cells[0].idle) == 4 and sim.counters["migrated_contexts"] == 2
+    assert snap.kv_peak_tokens == 0.0  # nothing has ended yet
     r = sim.run()
     assert r.end_counts == {f"e{i}": 1 for i in range(4)}
+    # ... and once executions have ended, the mean of their peak reservations (the ledger's)
+    assert led.floor > 0 and sim._snapshot().kv_peak_tokens == led.floor
     assert r.counters["reprefill_tokens"] == 0 and r.counters["evictions"] == 0
 
 

@@ -66,11 +66,13 @@ class ResidentAdmission:
 
     def room(self, cells: Iterable[int]) -> dict:
         """The policy's view of the ledger for ``cells`` (LoadSnapshot's ``kv_reserved_tokens``
-        and ``kv_free_tokens``): tokens reserved on each, and the unreserved room (>= 0)."""
+        and ``kv_free_tokens``): tokens reserved on each, and the unreserved room (>= 0); and
+        ``kv_peak_tokens``, the mean peak need of the executions released so far (:attr:`floor`)."""
         cells = list(cells)
         return {
             "kv_reserved_tokens": tuple(max(self.used[c], 0.0) for c in cells),  # float sums
             "kv_free_tokens": tuple(max(self.free(c), 0.0) for c in cells),
+            "kv_peak_tokens": self.floor,
         }
 
     def count(self, cell: int) -> int:

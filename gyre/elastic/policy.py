@@ -53,6 +53,10 @@ class LoadSnapshot:
       contexts that must then be prefilled again, or preempt executions.
     timed_out: of the ``finished`` executions, those that ended at their timeout (measured;
       their share tells ``elastic`` what pausing running executions would cost).
+    kv_peak_tokens: the mean peak KV reservation of the executions ended so far (the resident
+      ledger's; 0 before the first ends or when not tracked). With the pools
+      (``kv_reserved_tokens`` + ``kv_free_tokens``) it tells ``elastic`` whether its base
+      split's rollout cells hold a whole batch resident.
     """
 
     roles: tuple[str, ...]
@@ -75,6 +79,7 @@ class LoadSnapshot:
     kv_reserved_tokens: tuple[float, ...] = ()
     kv_free_tokens: tuple[float, ...] = ()
     timed_out: int = 0
+    kv_peak_tokens: float = 0.0
 
     def __post_init__(self):
         k = len(self.roles)
@@ -103,6 +108,8 @@ class LoadSnapshot:
             )
         if any(r not in (ROLLOUT, TRAIN) for r in self.roles):
             raise ValueError(f"LoadSnapshot.roles must be 'rollout' or 'train', got {self.roles}")
+        if not self.kv_peak_tokens >= 0:
+            raise ValueError(f"LoadSnapshot.kv_peak_tokens must be >= 0, got {self.kv_peak_tokens}")
         if not self.trainable_tokens >= 0:
             raise ValueError(
                 f"LoadSnapshot.trainable_tokens must be >= 0, got {self.trainable_tokens}"
@@ -377,6 +384,26 @@ def elastic_throughput(snap: LoadSnapshot, params: PolicyParams = PolicyParams()
 BASE_BAND = 0.2
 
 
+def _train_need(snap: LoadSnapshot) -> float:
+    """Train cells training must run to keep pace with rollout, measured:
+    rollout_tokens_per_s / mean train_throughput (0 while either is unmeasured)."""
+    tp = sum(snap.train_throughput) / snap.num_cells
+    return snap.rollout_tokens_per_s / tp if snap.rollout_tokens_per_s > 0 and tp > 0 else 0.0
+
+
+def base_holds_batch(snap: LoadSnapshot) -> bool:
+    """Whether the rollout cells of the measured split (the last K - ceil(need) cells, see
+    :func:`base_train_cells`) hold a whole batch resident: their KV pools over the mean peak
+    reservation of the executions ended so far >= ``next_batch``. False while unmeasured (no
+    execution has ended, no pools tracked, no batch left) or with one cell."""
+    k, x = snap.num_cells, _train_need(snap)
+    if k < 2 or x <= 0 or snap.kv_peak_tokens <= 0 or not snap.kv_free_tokens:
+        return False
+    n = min(max(math.ceil(x - 1e-9), 1), k - 1)
+    pools = sum(snap.kv_reserved_tokens[i] + snap.kv_free_tokens[i] for i in range(n, k))
+    return snap.next_batch > 0 and pools / snap.kv_peak_tokens >= snap.next_batch
+
+
 def base_train_cells(snap: LoadSnapshot) -> int:
     """Train cells the measured figures call for, in [1, K - 1]; 0 while either figure is
     unmeasured or with one cell. Need x = rollout_tokens_per_s / mean train_throughput (the
@@ -389,10 +416,9 @@ def base_train_cells(snap: LoadSnapshot) -> int:
     decision jump back (measured in the simulator: the base swinging between 5 and 7 train
     cells of 8 where training dominates). A cell at a time lets the rate settle under each."""
     k = snap.num_cells
-    tp = sum(snap.train_throughput) / k
-    if k < 2 or snap.rollout_tokens_per_s <= 0 or tp <= 0:
+    x = _train_need(snap)
+    if k < 2 or x <= 0:
         return 0
-    x = snap.rollout_tokens_per_s / tp
     n = next((i for i, r in enumerate(snap.roles) if r != TRAIN), k)
     if not x * (1 - BASE_BAND) <= n < x * (1 + BASE_BAND) + 1:
         target = math.ceil(x - 1e-9)
@@ -413,10 +439,11 @@ def _room_for(snap: LoadSnapshot, i: int, staying) -> bool:
 
 
 # With carry-over, ``elastic`` is the throughput rule while fewer than this share of the
-# executions ended so far timed out. Measured (BENCHMARKS.md, issue 33's sixth pass): where
-# 2-12% time out the rule completed more executions per hour than the best split at every
-# KV <= 0.7 point of the regimes map; on the 2.4T row, where 64% do, it completed 19% fewer
-# (78% cut short: paused executions' clocks keep running) and the measured base ties.
+# executions ended so far timed out (and its base split could not hold a batch resident).
+# Measured (BENCHMARKS.md, issue 33's sixth pass): where 2-12% time out the rule completed
+# more executions per hour than the best split at every KV <= 0.7 point of the regimes map;
+# on the 2.4T row, where 64% do, it completed 19% fewer (78% cut short: paused executions'
+# clocks keep running) and the measured base ties.
 PAUSE_TIMEOUT_SHARE = 0.25
 
 
@@ -428,8 +455,9 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     out. Until the rate is measured (no execution has ended), and always when steps may not
     overlap (``max_staleness`` 0: a step trains only once its rollout is done, so a standing
     split would idle its train cells through every rollout), and with carry-over while
-    fewer than ``PAUSE_TIMEOUT_SHARE`` of the ended executions timed out, the throughput
-    rule decides.
+    fewer than ``PAUSE_TIMEOUT_SHARE`` of the ended executions timed out and the base's
+    rollout cells could not hold a batch resident (:func:`base_holds_batch`), the
+    throughput rule decides.
     Lend: a rollout cell with no live request goes to training while no execution waits for
     admission (none dispatched and not started, no batch about to be dispatched) and the
     trainable tokens keep the train cells, it included, busy for more than
@@ -444,8 +472,12 @@ def elastic(snap: LoadSnapshot, params: PolicyParams = PolicyParams()) -> Alloca
     k = snap.num_cells
     # With carry-over, while executions rarely run into their timeout, the throughput rule
     # decides: it gives every cell to an update that gates the run, pausing the next step's
-    # executions, which is cheap only while their clocks have time to spare.
-    pause_ok = params.close_share < 1 and snap.timeout_share < PAUSE_TIMEOUT_SHARE
+    # executions, which is cheap only while their clocks have time to spare. Not where the
+    # base's rollout cells hold a whole batch resident: rolling out on every cell then adds
+    # no room for contexts, and pausing them for the update only costs (measured at KV 2.0:
+    # the rule 0.97 / 1.00 of the best split at shares 0.05 / 0.2, the base 1.04 / 1.09).
+    pause_ok = (params.close_share < 1 and snap.timeout_share < PAUSE_TIMEOUT_SHARE
+                and not base_holds_batch(snap))  # fmt: skip
     n = base_train_cells(snap) if params.max_staleness > 0 and not pause_ok else 0
     if n == 0:
         return elastic_throughput(snap, params)

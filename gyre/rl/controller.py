@@ -107,7 +107,7 @@ class Controller:
             weight_version=self.trainer.version,
             total_steps=run.steps,
             next_batch=run.executions_per_step,
-            **{k: pick(v) for k, v in self.proxy.kv_room().items()},
+            **self.proxy.kv_room(alive),
         )
 
     def apply_roles(self, roles) -> None:

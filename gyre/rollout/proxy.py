@@ -541,10 +541,13 @@ class Proxy:
         at their recent size, min(slots, budget / mean recent footprint) (Engine.capacity_contexts)."""
         return tuple(self.engines[i].capacity_contexts() for i in sorted(self.engines))
 
-    def kv_room(self) -> dict:
-        """Per cell index: KV tokens the resident ledger reserves on it and its unreserved room
-        (LoadSnapshot's ``kv_reserved_tokens`` / ``kv_free_tokens``); {} with admission 'none'."""
-        return {} if self.ledger is None else self.ledger.room(sorted(self.engines))
+    def kv_room(self, cells=None) -> dict:
+        """Per cell index in ``cells`` (default: every cell): KV tokens the resident ledger
+        reserves on it and its unreserved room, and the mean peak reservation of the ended
+        executions (LoadSnapshot's ``kv_reserved_tokens`` / ``kv_free_tokens`` /
+        ``kv_peak_tokens``); {} with admission 'none'."""
+        cells = sorted(self.engines) if cells is None else cells
+        return {} if self.ledger is None else self.ledger.room(cells)
 
     def kv_stats(self) -> dict:
         """The KV pools in one flat dict (names ``kv_*``).
