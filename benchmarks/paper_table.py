@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 from gyre.elastic import calibration  # noqa: E402
 from gyre.elastic.costs import CellMemory, hardware_engine_fields, kv_bytes_per_token  # noqa: E402
-from gyre.elastic.policy import CLOSE_ON  # noqa: E402
+from gyre.elastic.policy import CLOSE_ON, PolicyParams  # noqa: E402
 from gyre.elastic.sim import simulate  # noqa: E402
 from gyre.elastic.workload import generate  # noqa: E402
 
@@ -354,14 +354,18 @@ def print_scenario(sc, res: dict, mem, real_cost, staleness: int) -> None:
 
 
 def add_carry_flags(ap) -> None:
-    """Carry-over for every policy alike (PolicyParams.close_share / max_carry)."""
-    ap.add_argument("--close-share", type=float, default=1.0,
+    """Carry-over for every policy alike (PolicyParams.close_share / max_carry / close_on);
+    the defaults are the run config's (PolicyParams')."""
+    d = PolicyParams()
+    ap.add_argument("--close-share", type=float, default=d.close_share,
                     help="a step closes once this share of its groups has finished; the rest "
-                    "carry over to the next step (1.0 = off, every policy waits for all)")  # fmt: skip
-    ap.add_argument("--max-carry", type=int, default=1, help="steps a group may be carried")
-    ap.add_argument("--close-on", default="own", choices=CLOSE_ON,
+                    "carry over to the next step (1.0 = off, every policy waits for all; "
+                    f"default {d.close_share}, the run config's)")  # fmt: skip
+    ap.add_argument("--max-carry", type=int, default=d.max_carry,
+                    help="steps a group may be carried")  # fmt: skip
+    ap.add_argument("--close-on", default=d.close_on, choices=CLOSE_ON,
                     help="finished groups counted towards the share: the step's own, or every "
-                    "group it trains (carried-in ones included)")  # fmt: skip
+                    f"group it trains (carried-in ones included; default {d.close_on!r})")  # fmt: skip
 
 
 def with_carry(sc, args):

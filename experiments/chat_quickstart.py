@@ -59,7 +59,10 @@ def get_config(arg=None):
     c.train.rows_per_microbatch = 4
     c.train.lr = 5e-4
     c.scheduler.policy = "elastic"
+    # On-policy, and every step waits for all its groups (no carry-over): a resumed run
+    # repeats the uninterrupted one exactly (docs/exactness.md).
     c.scheduler.max_staleness = 0
+    c.scheduler.close_share = 1.0
     c.run.steps = 10
     c.run.tasks_per_step = 16
     c.run.samples_per_task = 8

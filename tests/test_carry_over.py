@@ -182,7 +182,7 @@ def test_colocate_steps_no_longer_wait_for_a_straggler():
         dataclasses.replace(c, tool_latency_s=c.tool_latency_s + 600.0) for c in slow.calls
     )
     steps[0][0] = dataclasses.replace(slow, calls=calls)
-    waits = simulate(steps, 2, "colocate", COST, PolicyParams())
+    waits = simulate(steps, 2, "colocate", COST, PolicyParams(close_share=1.0))
     carries = Simulator(steps, 2, "colocate", COST, PolicyParams(close_share=0.8))
     res = carries.run()
     assert waits.step_end_s[0] > 600.0 * len(calls) * 0.9  # the straggler holds step 0
@@ -216,7 +216,7 @@ def test_a_resume_restarts_exactly_the_groups_no_trained_step_holds():
     assert got == [((1, 1), 2), ((2, 0), 1), ((2, 2), 1)]
     same_tasks = [g.task.task_id for g in ro.restart]
     assert len(set(same_tasks)) == 3  # the tasks their steps drew, keyed by (seed, step)
-    off = types.SimpleNamespace(run=specs.run, scheduler=PolicyParams())
+    off = types.SimpleNamespace(run=specs.run, scheduler=PolicyParams(close_share=1.0))
     assert _rollouts(off, env).restart_untrained(3, set()) == 0  # nothing is ever carried
 
 

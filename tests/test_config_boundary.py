@@ -38,7 +38,7 @@ CHANGED = {
     "rollout.decode_steps": 4,
     "rollout.cpu_vector_width": 256,
     "rollout.admission": "resident",
-    "scheduler.close_on": "owned",
+    "scheduler.close_on": "own",
     "train.remat": "full",
     "cluster.backend": "ray",
     "cluster.address": "auto",

@@ -269,7 +269,7 @@ def test_base_split_moves_one_cell_per_decision():
 
 
 def test_elastic_holds_the_measured_split_and_uses_the_throughput_rule_before():
-    p = PolicyParams(max_staleness=1)
+    p = PolicyParams(max_staleness=1, close_share=1.0)
     a = elastic(snap([R] * 4, outstanding=8, rate=150.0, live=[2] * 4), p)
     assert a.roles == (T, T, R, R)
     # Unmeasured: the throughput rule decides (here: every cell decodes).
@@ -292,7 +292,10 @@ def test_with_carry_over_elastic_pauses_only_while_executions_rarely_time_out():
     update that gates the run takes every cell, pausing the next step's executions); once
     PAUSE_TIMEOUT_SHARE of them time out, pausing would cut more short and the measured base
     stays. Without carry-over the base stays whatever the timeouts."""
-    carry, off = PolicyParams(max_staleness=1, close_share=0.9), PolicyParams(max_staleness=1)
+    carry, off = (
+        PolicyParams(max_staleness=1, close_share=0.9),
+        PolicyParams(max_staleness=1, close_share=1.0),
+    )
     gated = dict(outstanding=8, trainable=BIG_QUEUE, rate=150.0, rolled_out=True, step=3,
                  version=1, live=[2] * 4)  # fmt: skip
     few = snap([R] * 4, timed_out=2, **gated)  # 2 of 20 ended executions timed out
@@ -309,7 +312,10 @@ def test_with_carry_over_elastic_keeps_its_base_where_it_holds_a_batch_resident(
     resident (their pools / the ended executions' mean peak reservation >= next_batch), the
     base stays (rolling out on every cell adds no room, pausing only costs); where they do
     not, the throughput rule takes every cell for the update that gates the run."""
-    carry, off = PolicyParams(max_staleness=1, close_share=0.9), PolicyParams(max_staleness=1)
+    carry, off = (
+        PolicyParams(max_staleness=1, close_share=0.9),
+        PolicyParams(max_staleness=1, close_share=1.0),
+    )
     # rate 150 / tp 100: the base trains on ceil(1.5) = 2 cells, cells 2 and 3 roll out, with
     # 500 + 500 tokens of pool each: 2000 tokens for a batch of 8.
     gated = dict(outstanding=8, trainable=BIG_QUEUE, rate=150.0, rolled_out=True, step=3,
@@ -333,7 +339,7 @@ def test_with_carry_over_elastic_keeps_its_base_where_it_holds_a_batch_resident(
 
 
 def test_only_idle_rollout_cells_are_lent_and_only_when_nothing_waits():
-    p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
+    p = PolicyParams(max_staleness=1, leave_round_trips=3.0, close_share=1.0)
     live = [0, 3, 0, 0]  # cell 1 is the base's first rollout cell; 2 and 3 are idle
     work = 3 * RT * 300 + 1  # more than 3 round trips for three train cells
     # Nothing waits for admission, no batch may be dispatched (staleness): both idle cells go.
@@ -354,7 +360,7 @@ def test_a_cell_is_lent_only_if_the_cells_that_stay_hold_its_kv_reservations():
     """Resident admission: lending a cell hands its reserved contexts to the rollout cells that
     stay; where they lack the room, the contexts would be evicted (prefilled again) or their
     executions preempted, so the cell is not lent."""
-    p = PolicyParams(max_staleness=1, leave_round_trips=3.0)
+    p = PolicyParams(max_staleness=1, leave_round_trips=3.0, close_share=1.0)
     work = 3 * RT * 300 + 1
     base = dict(outstanding=4, trainable=work, rate=50.0, step=3, version=1)
     # Cells 2 and 3 are idle and hold 500 reserved tokens each; cell 1 stays (the base's

@@ -161,8 +161,10 @@ class PolicyParams:
     for this many switch round trips (rollout -> train -> rollout).
 
     Carry-over (steps that do not wait for their stragglers; the controller and the simulator
-    alike): close_share: a step may close (train and apply its update) once this share of its
-    task groups has finished; 1.0 = every group (off). Groups still running carry over into
+    alike; on by default, docs/policies.md): close_share: a step may close (train and apply
+    its update) once this share of its task groups has finished; 1.0 = every group (off: an
+    on-policy run that must resume token for token sets it, as the quick start does, see
+    docs/exactness.md). Groups still running carry over into
     the next step with the tokens they made so far; max_carry: how many steps a group may be
     carried (a step waits for carried groups that reached it), so a token is trained at most
     ``max_staleness + max_carry`` versions after the weights that sampled it. The last step
@@ -175,9 +177,9 @@ class PolicyParams:
     max_staleness: int = 1
     slack_cells: int = 1
     leave_round_trips: float = bounds.knob(3.0, bounds.Bound(0))
-    close_share: float = bounds.knob(1.0, bounds.Bound(0, 1, lo_open=True))
+    close_share: float = bounds.knob(0.9, bounds.Bound(0, 1, lo_open=True))
     max_carry: int = bounds.knob(1, bounds.Bound(1))
-    close_on: str = "own"
+    close_on: str = "owned"
 
     def __post_init__(self):
         bounds.check(self, "scheduler")
