@@ -46,12 +46,12 @@ def forests(draw, t=T):
 
 
 def random_qkv(seed, b=2, t=T, h=H, kvh=KVH, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (b, t, h, DH), dtype)
-    k = jax.random.normal(keys[1], (b, t, kvh, DH), dtype)
-    v = jax.random.normal(keys[2], (b, t, kvh, DH), dtype)
-    cotangent = jax.random.normal(keys[3], (b, t, h, DH), jnp.float32)
-    return q, k, v, cotangent
+    """Standard normal q, k, v (``dtype``) and a float32 cotangent, drawn on the host (with
+    jax.random each new shape compiled a program)."""
+    rng = np.random.default_rng(seed)
+    shapes = ((b, t, h, DH), (b, t, kvh, DH), (b, t, kvh, DH), (b, t, h, DH))
+    q, k, v, cotangent = (rng.standard_normal(s, np.float32) for s in shapes)
+    return (*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(cotangent))
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "block"))
@@ -284,23 +284,28 @@ def naive_cached(q, k_cache, v_cache, q_pos_index, kv_len):
     return out
 
 
+def random_cache(seed, shape):
+    """Two standard normal caches (K, V) of ``shape``, drawn on the host."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape, np.float32) for _ in range(2))
+
+
 def k_layout(x):
-    """[B, M, KVH, Dh] (the reader's layout) -> the cache's K, [B, KVH, Dh, M]."""
-    return jnp.transpose(jnp.asarray(x), (0, 2, 3, 1))
+    """[B, M, KVH, Dh] (the reader's layout) -> the cache's K, [B, KVH, Dh, M] (moved on the
+    host: an eager jnp transpose compiles once per shape)."""
+    return jnp.asarray(np.transpose(np.asarray(x), (0, 2, 3, 1)))
 
 
 def v_layout(x):
     """[B, M, KVH, Dh] -> the cache's V, [B, KVH, M, Dh]."""
-    return jnp.swapaxes(jnp.asarray(x), 1, 2)
+    return jnp.asarray(np.swapaxes(np.asarray(x), 1, 2))
 
 
 @pytest.mark.slow
 def test_cached_attention_decode_and_prefill():
     m = 24
     q, _, _, _ = random_qkv(6, t=3)
-    k_cache, v_cache = (
-        jax.random.normal(key, (2, m, KVH, DH)) for key in jax.random.split(jax.random.key(7))
-    )
+    k_cache, v_cache = random_cache(7, (2, m, KVH, DH))
     # Row 0: a 3-token prefill chunk at 5..7 of a 8-entry slot; row 1: decode positions 20..22
     # with entries beyond kv_len holding garbage that must not leak in.
     q_pos_index = jnp.array([[5, 6, 7], [20, 21, 22]], jnp.int32)
@@ -314,9 +319,7 @@ def test_cached_attention_decode_and_prefill():
 def test_one_query_decode_matches_the_loop_reference(b):
     m = 24
     q, _, _, _ = random_qkv(11, b=b, t=1)
-    k_cache, v_cache = (
-        jax.random.normal(key, (b, m, KVH, DH)) for key in jax.random.split(jax.random.key(12))
-    )
+    k_cache, v_cache = random_cache(12, (b, m, KVH, DH))
     # Row 0 decodes at 9 (entries past it hold garbage); rows 1 and 2: at 0 (sees only entry
     # 0) and an idle row aimed past the cache (pos = kv_len - 1 = m), which sees every entry.
     pos = jnp.array([9, 0, m][:b], jnp.int32)[:, None]
@@ -340,10 +343,11 @@ def live_inputs(seed, pos, m):
     random (garbage past each row's pos) entries; the row's own k/v are also written at its
     pos (as the engine does), so naive_cached over entries j <= pos is the reference."""
     b = len(pos)
-    q, _, _, _ = random_qkv(seed, b=b, t=1)
-    keys = jax.random.split(jax.random.key(seed + 1), 4)
-    k_cache, v_cache = (np.array(jax.random.normal(key, (b, m, KVH, DH))) for key in keys[:2])
-    k_own, v_own = (np.array(jax.random.normal(key, (b, 1, KVH, DH))) for key in keys[2:])
+    # numpy draws: jax.random compiled a program per shape, most of this test's time
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, 1, H, DH), np.float32))
+    k_cache, v_cache = (rng.standard_normal((b, m, KVH, DH), np.float32) for _ in range(2))
+    k_own, v_own = (rng.standard_normal((b, 1, KVH, DH), np.float32) for _ in range(2))
     for i, p in enumerate(pos):
         if p < m:
             k_cache[i, p], v_cache[i, p] = k_own[i, 0], v_own[i, 0]
@@ -426,9 +430,7 @@ def test_live_prefill_attention_matches_the_loop_reference(start, t, block):
     # other slots): equal to softmax over j <= pos, j < kv_len, for every query inside M.
     m, slot = 24, 2
     q, _, _, _ = random_qkv(21, b=1, t=t)
-    k_np, v_np = (
-        jax.random.normal(key, (3, m, KVH, DH)) for key in jax.random.split(jax.random.key(22))
-    )
+    k_np, v_np = random_cache(22, (3, m, KVH, DH))
     k_cache, v_cache = k_layout(k_np), v_layout(v_np)
     q_pos = jnp.arange(start, start + t, dtype=jnp.int32)[None]
     kv_len = jnp.array([start + t], jnp.int32)

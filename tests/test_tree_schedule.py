@@ -68,9 +68,21 @@ def device_rows(batch):
     return {k: np.asarray(batch[k]) for k in schema.device_names()}
 
 
+# the fixed pads of the agent and branchy trees' schedules: one compiled program for both
+PADS = {"n_branches": 5, "prefix_pad": 128, "branch_pad": 128}
+MASK_ROWS = 8  # the mask reference's row count: padding rows (which add nothing) fill it up
+
+
 def mask_grads(setup, rows, remat="none", chunk=0):
+    """The tree mask's gradient and metric sums over ``rows``, padded with padding rows to
+    MASK_ROWS rows of 256: one compile for every test's batch (tree, flat, hand-made, branchy)."""
     specs, graphdef, params = setup
-    return _mask_program(graphdef, specs.trainer.loss, remat, chunk)(params, rows)
+    r, t = rows["tokens"].shape
+    assert r <= MASK_ROWS and t <= specs.trajectory.row_len, (r, t)
+    padded = schema.empty(MASK_ROWS, specs.trajectory.row_len, rows.keys())
+    for k, v in rows.items():
+        padded[k][:r, :t] = v
+    return _mask_program(graphdef, specs.trainer.loss, remat, chunk)(params, padded)
 
 
 def schedule_grads(setup, rows, remat="none", chunk=0, n_branches=None, **split):
@@ -250,7 +262,7 @@ def test_schedule_equals_mask_and_flat_on_agent_trees(setup):
     tree, flat = agent_batches(setup)
     via_mask = mask_grads(setup, tree)
     via_flat = mask_grads(setup, flat)
-    via_schedule = schedule_grads(setup, tree, n_branches=4, prefix_pad=64, branch_pad=128)
+    via_schedule = schedule_grads(setup, tree, **PADS)  # the branchy trees' program
     assert float(via_mask[1]["loss"]) != 0
     assert_same(via_schedule, via_mask)
     g_s, m_s = via_schedule
@@ -287,7 +299,7 @@ def test_schedule_equals_mask_on_branchy_trees(setup, seed, n_calls):
     if report.rejected or max(report.advantages, default=0) == 0:
         return
     rows = device_rows(tree)
-    via_schedule = schedule_grads(setup, rows, n_branches=5, prefix_pad=128, branch_pad=128)
+    via_schedule = schedule_grads(setup, rows, **PADS)
     assert_same(via_schedule, mask_grads(setup, rows))
 
 
