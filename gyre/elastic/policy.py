@@ -163,7 +163,7 @@ class PolicyParams:
     Carry-over (steps that do not wait for their stragglers; the controller and the simulator
     alike; on by default, docs/policies.md): close_share: a step may close (train and apply
     its update) once this share of its task groups has finished; 1.0 = every group (off: an
-    on-policy run that must resume token for token sets it, as the quick start does, see
+    on-policy run that must resume token for token sets it, as the quick starts do, see
     docs/exactness.md). Groups still running carry over into
     the next step with the tokens they made so far; max_carry: how many steps a group may be
     carried (a step waits for carried groups that reached it), so a token is trained at most
