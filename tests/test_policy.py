@@ -330,7 +330,7 @@ def test_with_carry_over_elastic_keeps_its_base_where_it_holds_a_batch_resident(
     assert elastic(short, carry) == elastic_throughput(short, carry)
     assert elastic(short, carry).roles == (T,) * 4
     # Unmeasured: no execution ended (peak 0), no pools tracked, no batch left, one cell.
-    assert not base_holds_batch(snap([R] * 4, peak=0.0, **{**gated}))
+    assert not base_holds_batch(snap([R] * 4, peak=0.0, **gated))
     untracked = {**gated, "reserved": (), "free": ()}
     assert not base_holds_batch(snap([R] * 4, peak=200.0, **untracked))
     assert not base_holds_batch(snap([R] * 4, peak=200.0, **{**gated, "next_batch": 0}))
